@@ -1,0 +1,54 @@
+# ShardSpeed: every target does its own set-up on a fresh machine.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PEERS_VENV ?= .venv-peers
+
+.PHONY: all demo test test-slow test-gpu lint format bench bench-peers clean
+
+all: test
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check shardspeed tests benchmarks examples
+	$(BIN)/ruff format --check shardspeed tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/ruff format shardspeed tests benchmarks examples
+	$(BIN)/ruff check --fix shardspeed tests benchmarks examples
+
+test: lint
+	$(BIN)/python -m pytest -q tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow tests
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests
+
+demo: $(STAMP)
+	$(BIN)/python examples/train_gpt.py
+
+# DeepSpeed lives in its own venv: a peer for benchmarks, never a dependency of the library.
+$(PEERS_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[test,peers]'
+	touch $(PEERS_VENV)/.installed
+
+bench-peers: $(PEERS_VENV)/.installed
+
+bench: bench-peers
+	$(PEERS_VENV)/bin/python benchmarks/train_bench.py
+
+clean:
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info

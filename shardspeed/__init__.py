@@ -1,0 +1,46 @@
+"""ShardSpeed: DeepSpeed's API and config on one clean sharding engine built on PyTorch.
+
+``import shardspeed as deepspeed`` is the intended drop-in. Heavy subpackages load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+__version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))
+__git_hash__ = "unknown"
+
+_LAZY_ATTRS = {
+    # name -> (module, attribute or None for the module itself)
+    "initialize": ("shardspeed.runtime.initialize", "initialize"),
+    "add_config_arguments": ("shardspeed.runtime.initialize", "add_config_arguments"),
+    "init_distributed": ("shardspeed.comm", "init_distributed"),
+    "get_accelerator": ("shardspeed.accelerator", "get_accelerator"),
+    "log_dist": ("shardspeed.utils.logging", "log_dist"),
+    "logger": ("shardspeed.utils.logging", "logger"),
+    "comm": ("shardspeed.comm", None),
+    "zero": ("shardspeed.zero", None),
+    "checkpointing": ("shardspeed.runtime.activation_checkpointing", None),
+    "pipe": ("shardspeed.pipe", None),
+    "ops": ("shardspeed.ops", None),
+    "inference": ("shardspeed.inference", None),
+    "profiling": ("shardspeed.profiling", None),
+    "monitor": ("shardspeed.monitor", None),
+    "utils": ("shardspeed.utils", None),
+    "config": ("shardspeed.config", None),
+    "Topology": ("shardspeed.topology", "Topology"),
+}
+
+__all__ = ["__version__", *_LAZY_ATTRS]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY_ATTRS:
+        raise AttributeError(f"module 'shardspeed' has no attribute {name!r}")
+    module_name, attr = _LAZY_ATTRS[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
