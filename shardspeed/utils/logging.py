@@ -72,7 +72,7 @@ def log_dist(
         get_logger(name).log(level, message)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _once(level: int, name: str, message: str) -> None:
     get_logger(name).log(level, message)
 

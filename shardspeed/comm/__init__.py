@@ -1,0 +1,124 @@
+"""``shardspeed.comm``: DeepSpeed's ``deepspeed.comm`` surface on ``torch.distributed``.
+
+* :mod:`~shardspeed.comm.env`: launcher environment discovery (torchrun, MPI, Slurm).
+* :mod:`~shardspeed.comm.backend`: ``init_distributed``, groups, ranks, the stored timeout.
+* :mod:`~shardspeed.comm.collectives`: the collectives, with accounting and version shims.
+* :mod:`~shardspeed.comm.logger`: the comms logger and the recent-ops ring buffer.
+"""
+
+from __future__ import annotations
+
+from shardspeed.comm.backend import (
+    destroy_process_group,
+    get_global_rank,
+    get_local_rank,
+    get_rank,
+    get_timeout,
+    get_world_group,
+    get_world_size,
+    init_distributed,
+    is_initialized,
+    new_group,
+)
+from shardspeed.comm.collectives import (
+    P2POp,
+    ReduceOp,
+    TimedWork,
+    all_gather,
+    all_gather_into_tensor,
+    all_gather_object,
+    all_reduce,
+    all_to_all_single,
+    barrier,
+    batch_isend_irecv,
+    broadcast,
+    broadcast_object_list,
+    gather,
+    has_all_gather_into_tensor,
+    has_coalescing_manager,
+    has_reduce_scatter_tensor,
+    inference_all_reduce,
+    irecv,
+    isend,
+    monitored_barrier,
+    recv,
+    reduce,
+    reduce_scatter,
+    reduce_scatter_fn,
+    reduce_scatter_tensor,
+    scatter,
+    send,
+)
+from shardspeed.comm.env import DistEnv, discover_env
+from shardspeed.comm.logger import (
+    configure,
+    get_logged_comm_ops,
+    log_summary,
+    recent_ops,
+    reset_log,
+    set_current_tag,
+)
+
+
+def _reset_comm_globals() -> None:
+    from shardspeed.comm import backend, logger
+
+    logger.reset_state()
+    backend.reset_state()
+
+
+def _register_reset() -> None:
+    from shardspeed.testing.hooks import register_reset_hook
+
+    register_reset_hook(_reset_comm_globals)
+
+
+_register_reset()
+
+__all__ = [
+    "DistEnv",
+    "P2POp",
+    "ReduceOp",
+    "TimedWork",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "configure",
+    "destroy_process_group",
+    "discover_env",
+    "gather",
+    "get_global_rank",
+    "get_local_rank",
+    "get_logged_comm_ops",
+    "get_rank",
+    "get_timeout",
+    "get_world_group",
+    "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_coalescing_manager",
+    "has_reduce_scatter_tensor",
+    "inference_all_reduce",
+    "init_distributed",
+    "irecv",
+    "is_initialized",
+    "isend",
+    "log_summary",
+    "monitored_barrier",
+    "new_group",
+    "recent_ops",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_fn",
+    "reduce_scatter_tensor",
+    "reset_log",
+    "scatter",
+    "send",
+    "set_current_tag",
+]

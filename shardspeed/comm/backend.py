@@ -1,0 +1,200 @@
+"""Process-group lifecycle: ``init_distributed``, groups, ranks.
+
+One timeout is chosen at initialisation and applied to every group made through
+:func:`new_group`, so a hang surfaces at the same time whichever group it happens in.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.env import DEFAULT_PORT, DistEnv, discover_env
+from shardspeed.utils.logging import get_logger, log_dist
+
+logger = get_logger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass
+class _CommState:
+    timeout: timedelta = DEFAULT_TIMEOUT
+    local_rank: int | None = None
+    env: DistEnv | None = None
+
+
+_STATE = _CommState()
+
+
+def _resolve_master_addr(env: DistEnv) -> str:
+    if env.master_addr:
+        return env.master_addr
+    try:  # multi-node MPI without MASTER_ADDR: ask rank 0 for its hostname
+        import socket
+
+        from mpi4py import MPI  # type: ignore[import-not-found]
+
+        return MPI.COMM_WORLD.bcast(socket.gethostname(), root=0)
+    except ImportError:
+        raise ValueError(
+            f"launched by {env.source} across nodes (world size {env.world_size}) but "
+            "MASTER_ADDR is not set; export MASTER_ADDR=<first node's address> (and "
+            "MASTER_PORT) or install mpi4py so rank 0's hostname can be broadcast."
+        ) from None
+
+
+def _export_env(env: DistEnv, addr: str) -> None:
+    """Make the discovered values visible to code that reads torchrun's variables."""
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    os.environ.setdefault("MASTER_ADDR", addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    if env.local_world_size is not None:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(env.local_world_size))
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Initialise ``torch.distributed`` from the launcher's environment (no-op if done).
+
+    Reads torchrun, Open MPI, PMI and Slurm variables (see :mod:`shardspeed.comm.env`);
+    ``rank``/``world_size`` >= 0 override them. The backend defaults to ``nccl`` with CUDA
+    and ``gloo`` otherwise; with CUDA the device is set from the local rank. A process with
+    no launcher variables becomes a world of one. ``timeout`` is kept and applied to every
+    group made with :func:`new_group`. ``dist_init_required=False`` skips initialisation.
+    ``config`` (a ds_config dict or object) configures the comms logger.
+    """
+    if config is not None:
+        from shardspeed.comm.logger import configure
+
+        configure(config)
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        return
+    if not isinstance(timeout, timedelta):
+        raise ValueError(
+            f"init_distributed(timeout={timeout!r}) must be a datetime.timedelta, "
+            "e.g. timedelta(minutes=30)."
+        )
+    env = discover_env(os.environ, default_port=distributed_port, use_mpi=auto_mpi_discovery)
+    if rank >= 0 or world_size >= 0:
+        if rank < 0 or world_size < 1 or rank >= world_size:
+            raise ValueError(
+                f"init_distributed(rank={rank}, world_size={world_size}): pass both, with "
+                "0 <= rank < world_size (or neither, to read them from the environment)."
+            )
+        env = DistEnv(
+            rank, world_size, env.local_rank, env.local_world_size, env.master_addr,
+            env.master_port, "arguments",
+        )  # fmt: skip
+    backend = dist_backend or get_accelerator().communication_backend_name()
+    _STATE.timeout, _STATE.local_rank, _STATE.env = timeout, env.local_rank, env
+    if backend == "nccl" and torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+
+    if env.source == "none" and init_method is None:
+        # Single process, no launcher: an in-memory store, no ports to collide on.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        addr = _resolve_master_addr(env)
+        _export_env(env, addr)
+        dist.init_process_group(
+            backend,
+            init_method=init_method or f"tcp://{addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
+        )
+    if verbose:
+        log_dist(
+            f"initialised torch.distributed: backend={backend}, world_size={env.world_size}, "
+            f"source={env.source}, timeout={timeout}"
+        )
+
+
+def is_initialized() -> bool:
+    """True once the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank(group: Any = None) -> int:
+    """Rank in ``group`` (default: world); 0 when not initialised."""
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def get_world_size(group: Any = None) -> int:
+    """Size of ``group`` (default: world); 1 when not initialised."""
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    """Rank within this node (from the launcher; 0 for a single process)."""
+    if _STATE.local_rank is not None:
+        return _STATE.local_rank
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    """Global rank of ``group_rank`` in ``group`` (world group: identity)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_world_group() -> Any:
+    """The default (world) process group."""
+    return dist.group.WORLD
+
+
+def get_timeout() -> timedelta:
+    """The timeout every group is created with."""
+    return _STATE.timeout
+
+
+def new_group(
+    ranks: list[int] | None = None,
+    timeout: timedelta | None = None,
+    backend: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``torch.distributed.new_group`` with the stored timeout as the default.
+
+    Like torch, every rank of the world must call this in the same order with the same
+    ``ranks`` (ranks not in the group get a non-member handle).
+    """
+    return dist.new_group(ranks=ranks, timeout=timeout or _STATE.timeout, backend=backend, **kwargs)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """Destroy ``group`` (default: every group and the world; resets stored state)."""
+    if not is_initialized():
+        return
+    dist.destroy_process_group(group)
+    if group is None:
+        reset_state()
+
+
+def reset_state() -> None:
+    """Forget the stored timeout and local rank (after the world is destroyed)."""
+    _STATE.timeout, _STATE.local_rank, _STATE.env = DEFAULT_TIMEOUT, None, None

@@ -1,0 +1,70 @@
+"""``checkpoint`` and ``aio`` (asynchronous NVMe I/O) blocks."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from shardspeed.config.base import ConfigModel, Int
+
+
+def _tag_mode(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.strip().capitalize()
+    return value
+
+
+class ParallelWriteConfig(ConfigModel):
+    """``checkpoint.parallel_write``."""
+
+    json_key = "checkpoint.parallel_write"
+
+    pipeline_stage: bool = Field(
+        False, description="Each pipeline stage writes its own layers in parallel."
+    )
+
+
+class CheckpointConfig(ConfigModel):
+    """``checkpoint``: save/load behaviour."""
+
+    json_key = "checkpoint"
+
+    tag_validation: Annotated[Literal["Ignore", "Warn", "Fail"], BeforeValidator(_tag_mode)] = (
+        Field(
+            "Warn",
+            description="What to do when ranks disagree on the checkpoint tag "
+            "(Ignore/Warn/Fail, case-insensitive).",
+        )
+    )
+    load_universal: bool = Field(
+        False, description="Load a universal (topology-independent) checkpoint."
+    )
+    use_node_local_storage: bool = Field(
+        False, description="Each node writes to local storage (not a shared filesystem)."
+    )
+    parallel_write: ParallelWriteConfig = Field(
+        default_factory=ParallelWriteConfig, description="Parallel write options."
+    )
+    checkpoint_serialization: bool = Field(
+        True, description="Serialize tensors into one file per rank (torch.save format)."
+    )
+    writer: dict[str, Any] | None = Field(
+        None, description="Checkpoint writer options (type, io_buffer_size, ...)."
+    )
+
+
+class AioConfig(ConfigModel):
+    """``aio``: asynchronous I/O used by NVMe offload."""
+
+    json_key = "aio"
+    key_aliases = {"thread_count": "intra_op_parallelism"}
+
+    block_size: Int = Field(1048576, ge=1, description="Bytes per I/O request.")
+    queue_depth: Int = Field(8, ge=1, description="Outstanding I/O requests.")
+    intra_op_parallelism: Int = Field(
+        1, ge=1, description="I/O threads per operation (DeepSpeed docs call it thread_count)."
+    )
+    single_submit: bool = Field(False, description="Submit requests one at a time.")
+    overlap_events: bool = Field(True, description="Overlap submission and completion.")
+    use_gds: bool = Field(False, description="Use GPUDirect Storage.")

@@ -1,0 +1,5 @@
+"""Precision policies and loss scaling."""
+
+from shardspeed.precision.policy import MixedPrecision
+
+__all__ = ["MixedPrecision"]

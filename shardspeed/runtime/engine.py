@@ -1,0 +1,325 @@
+"""The training engine: DeepSpeed's ``DeepSpeedEngine`` surface over one sharding engine.
+
+``backward`` scales and runs autograd while bucketed reductions overlap with it;
+``step`` does nothing until the accumulation boundary, where it runs the sharded
+optimizer (unscale, overflow check, clip, update, all-gather) and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed import comm
+from shardspeed.accelerator import get_accelerator
+from shardspeed.config import ShardSpeedConfig
+from shardspeed.precision.loss_scaler import build_loss_scaler
+from shardspeed.precision.policy import MixedPrecision
+from shardspeed.runtime.config_getters import ConfigGettersMixin
+from shardspeed.runtime.memory import memory_breakdown
+from shardspeed.runtime.reporting import StepReporter
+from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
+from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.optimizer import ShardedOptimizer, StepResult
+from shardspeed.zero.reducer import GradReducer
+
+logger = get_logger(__name__)
+
+
+class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
+    """Wraps a model for sharded data-parallel training (ZeRO stages 0-2)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardSpeedConfig,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+        dp_group: Any = None,
+    ) -> None:
+        super().__init__()
+        self.module = model
+        self._config = config
+        self.config = config.raw
+        self.mpu = mpu
+        self.local_rank = comm.get_local_rank()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_group = dp_group
+        self.dp_world_size = comm.get_world_size(group=dp_group)
+        self.dp_rank = comm.get_rank(group=dp_group)
+        self.mp_world_size = self.world_size // self.dp_world_size
+        self.device = get_accelerator().device(self.local_rank)
+        self.precision = MixedPrecision.from_config(config)
+        self.stage = config.zero_optimization.stage
+        if self.stage > 2:
+            raise ValueError(
+                f"zero_optimization.stage={self.stage} is handled by the stage-3 engine; "
+                "this engine implements stages 0-2."
+            )
+
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._last_step: StepResult | None = None
+        self._in_no_sync = False
+
+        cast_module(model, self.device, self.precision.param_dtype)
+        groups = collect_param_groups(model, optimizer, model_parameters)
+        self.flat_groups = self._build_flat_groups(groups)
+        self.basic_optimizer = rebind_optimizer(
+            optimizer, config.optimizer, groups, [g.masters for g in self.flat_groups]
+        )
+        self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+        self.reducer = GradReducer(
+            self.flat_groups,
+            stage=self.stage,
+            dp_group=dp_group,
+            dp_world_size=self.dp_world_size,
+            reduce_dtype=self.precision.reduce_dtype,
+            is_boundary=self.is_gradient_accumulation_boundary,
+            predivide_factor=config.gradient_predivide_factor,
+            prescale_gradients=config.prescale_gradients,
+            overlap=self.stage == 0 or config.zero_optimization.overlap_comm or True,
+        )
+        self.optimizer: ShardedOptimizer | None = None
+        if self.basic_optimizer is not None:
+            self._check_optimizer_supported(self.basic_optimizer)
+            self.optimizer = ShardedOptimizer(
+                self.basic_optimizer,
+                self.flat_groups,
+                self.reducer,
+                stage=self.stage,
+                dp_group=dp_group,
+                dp_world_size=self.dp_world_size,
+                loss_scaler=self.loss_scaler,
+                gradient_clipping=config.gradient_clipping,
+                check_overflow=self._checks_overflow(),
+            )
+        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+        self.training_dataloader = None
+        self.reporter = StepReporter(self)
+        log_dist(
+            f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
+            f"param dtype {self.precision.param_dtype}, "
+            f"{sum(p.numel() for g in groups for p in g['params']):,} trainable parameters, "
+            f"micro batch {config.train_micro_batch_size_per_gpu}, "
+            f"GAS {config.gradient_accumulation_steps}"
+        )
+
+    # -- construction helpers ------------------------------------------------------------
+    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> list[FlatGroup]:
+        p = self.precision
+        grad_dtype = p.grad_dtype(self._config.gradient_accumulation_steps)
+        sharded = self.stage >= 1
+        return [
+            FlatGroup(
+                g["params"],
+                shard_world_size=self.dp_world_size if sharded else 1,
+                shard_rank=self.dp_rank if sharded else 0,
+                bucket_size=int(self._config.zero_optimization.reduce_bucket_size),
+                param_dtype=p.param_dtype,
+                grad_dtype=grad_dtype,
+                master_dtype=p.master_dtype,
+                full_grads=self.stage <= 1,
+                device=self.device,
+            )
+            for g in groups
+        ]
+
+    def _checks_overflow(self) -> bool:
+        if self.precision.param_dtype == torch.float16:
+            return True
+        if self.precision.param_dtype == torch.bfloat16:
+            return bool(getattr(self._config.bf16, "check_grad_overflow", True))
+        return False
+
+    def _check_optimizer_supported(self, optimizer: torch.optim.Optimizer) -> None:
+        from shardspeed.optim import is_elementwise
+
+        if not is_elementwise(optimizer):
+            raise ValueError(
+                f"optimizer {type(optimizer).__name__} computes per-parameter norms (e.g. LAMB's "
+                "trust ratio), but the sharding engine updates flat buckets of many parameters "
+                f"(zero_optimization.stage={self.stage}). Use an elementwise optimizer (Adam, "
+                "AdamW, SGD, Adagrad, Lion) or train it with plain PyTorch."
+            )
+
+    def _build_lr_scheduler(self, lr_scheduler: Any) -> Any:
+        if lr_scheduler is not None:
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+                return lr_scheduler(self.basic_optimizer)
+            return lr_scheduler
+        if self._config.scheduler is not None and self.basic_optimizer is not None:
+            from shardspeed.runtime.lr_schedules import build_lr_scheduler
+
+            sched = self._config.scheduler
+            return build_lr_scheduler(sched.type, dict(sched.params), self.basic_optimizer)
+        return None
+
+    # -- forward / backward / step -------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.reporter.start("forward")
+        out = self.module(*args, **kwargs)
+        self.reporter.stop("forward")
+        return out
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as ``backward`` would differentiate it (1/GAS and loss scale applied)."""
+        gas = self._config.gradient_accumulation_steps
+        if gas > 1:
+            loss = loss / gas
+        if self.loss_scaler.loss_scale != 1.0:
+            loss = loss * self.loss_scaler.loss_scale
+        return loss
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Back-propagate ``loss`` (divided by GAS, times the loss scale); returns ``loss``."""
+        self.reporter.start("backward")
+        scaled = loss / self._config.gradient_accumulation_steps if scale_wrt_gas else loss
+        self.reporter.record_loss(loss)
+        if self.loss_scaler.loss_scale != 1.0:
+            scaled = scaled * self.loss_scaler.loss_scale
+        scaled.backward(retain_graph=retain_graph)
+        self.reporter.start("backward_reduce")
+        self.reducer.flush()
+        self.reporter.stop("backward_reduce")
+        self.reporter.stop("backward")
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True on the micro-step that ends an accumulation window."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self._config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Force the boundary state (used by accelerate); reset after the next ``step``."""
+        self._boundary_override = bool(is_boundary)
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Optimizer step at the accumulation boundary; otherwise only counts the micro-step."""
+        if self._in_no_sync:
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(); gradients were not reduced. "
+                "Leave the no_sync() block before stepping."
+            )
+        self.reducer.flush()  # no-op when backward() already completed the reduction
+        if self.is_gradient_accumulation_boundary():
+            self._take_optimizer_step(lr_kwargs or {})
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_optimizer_step(self, lr_kwargs: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.step() needs an optimizer: pass optimizer= to initialize() or add an "
+                "'optimizer' block to the config."
+            )
+        self.reporter.start("step")
+        self._last_step = self.optimizer.step()
+        if self._last_step.applied:
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        else:
+            self.skipped_steps += 1
+        self.global_steps += 1
+        self.global_samples += self._config.train_batch_size
+        self.reporter.stop("step")
+        self.reporter.after_step()
+
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        else:
+            for g in self.flat_groups:
+                g.zero_grads()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for backward passes inside the block (stages 0 and 1)."""
+        if self.stage >= 2:
+            raise RuntimeError(
+                f"no_sync() is incompatible with zero_optimization.stage={self.stage}: gradients "
+                "are reduce-scattered as they are produced. Use gradient_accumulation_steps."
+            )
+        self.reducer.sync_enabled = False
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = True
+            self._in_no_sync = False
+
+    # -- queries ---------------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._last_step is not None and self._last_step.applied
+
+    def get_global_grad_norm(self) -> float | None:
+        return None if self._last_step is None else self._last_step.grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.basic_optimizer.param_groups] if self.basic_optimizer else []
+
+    def get_mom(self) -> list[Any]:
+        if not self.basic_optimizer:
+            return []
+        return [g.get("betas", (g.get("momentum"),))[0] for g in self.basic_optimizer.param_groups]
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes held on this rank by category: params, grads, master_params, optimizer_state, buffers."""
+        return memory_breakdown(self)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def train(self, mode: bool = True) -> ShardSpeedEngine:
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def deepspeed_io(
+        self,
+        dataset: Any,
+        batch_size: int | None = None,
+        route: str = "train",
+        pin_memory: bool = True,
+        data_sampler: Any = None,
+        collate_fn: Any = None,
+        num_local_io_workers: int | None = None,
+    ) -> Any:
+        """A dataloader of micro-batches over this rank's share of ``dataset``."""
+        from shardspeed.runtime.dataloader import ShardSpeedDataLoader
+
+        return ShardSpeedDataLoader(
+            dataset,
+            batch_size or self._config.train_micro_batch_size_per_gpu,
+            dp_world_size=self.dp_world_size,
+            dp_rank=self.dp_rank,
+            shuffle=route == "train",
+            drop_last=self._config.dataloader_drop_last,
+            collate_fn=collate_fn,
+            num_workers=num_local_io_workers or 0,
+            pin_memory=pin_memory,
+            data_sampler=data_sampler,
+        )
+
+    def destroy(self) -> None:
+        """Remove hooks and drop references (accelerate calls this)."""
+        self.reducer.remove_hooks()
+        self.reporter.close()

@@ -1,0 +1,121 @@
+"""``shardspeed.initialize``: DeepSpeed's entry point, returning the engine and friends."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch.nn as nn
+
+from shardspeed import comm
+from shardspeed.config import load_config
+
+
+def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None:
+        config = config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(
+            args, "deepscale_config", None
+        )
+    if from_args is not None and config is not None:
+        raise ValueError(
+            "a config was given both as args.deepspeed_config and as config=; pass only one "
+            "(remove --deepspeed_config or the config= argument)."
+        )
+    config = config if config is not None else from_args
+    if config is None:
+        raise ValueError(
+            "shardspeed.initialize needs a config: pass config=<dict | path to JSON | base64 "
+            "string>, or args with --deepspeed_config PATH."
+        )
+    return config
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[Any, Any, Any, Any]:
+    """Wrap ``model`` for training; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``optimizer`` may be a torch optimizer, a callable building one from parameter groups,
+    or None (then the config's ``optimizer`` block is used). ``lr_scheduler`` likewise.
+    ``training_data`` (a Dataset) gives a distributed dataloader of micro-batches.
+    """
+    if model is None:
+        raise ValueError("shardspeed.initialize requires model=<torch.nn.Module>.")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if mesh_param is not None:
+        raise ValueError(
+            "mesh_param is not supported; describe the layout with the config's parallel "
+            "degrees (pipeline / tensor_parallel) instead."
+        )
+    raw_config = _pick_config(args, config, config_params)
+    if dist_init_required is not False and not comm.is_initialized():
+        comm.init_distributed(distributed_port=distributed_port)
+
+    # --- pipeline parallelism (issue 7): a PipelineModule gets the PipelineEngine ---------
+    from shardspeed.parallel.pipeline.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        from shardspeed.parallel.pipeline.engine import initialize_pipeline
+
+        return initialize_pipeline(
+            model,
+            raw_config,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            training_data=training_data,
+            collate_fn=collate_fn,
+        )
+    # --- end pipeline hook -------------------------------------------------------------------
+
+    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_world_size = comm.get_world_size(group=dp_group)
+    cfg = load_config(raw_config, dp_world_size=dp_world_size)
+
+    from shardspeed.runtime.engine import ShardSpeedEngine
+
+    if cfg.zero_optimization.stage == 3:
+        from shardspeed.zero.stage3_engine import Stage3Engine as engine_cls
+    else:
+        engine_cls = ShardSpeedEngine
+    engine = engine_cls(
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dp_group=dp_group,
+    )
+    dataloader = None
+    if training_data is not None:
+        dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        engine.training_dataloader = dataloader
+    return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed``, ``--deepspeed_config`` (and the deprecated deepscale names)."""
+    group = parser.add_argument_group("ShardSpeed", "ShardSpeed (DeepSpeed-compatible) options")
+    group.add_argument("--deepspeed", default=False, action="store_true", help="Enable ShardSpeed.")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="ds_config JSON path.")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser

@@ -1,0 +1,107 @@
+"""Engine set-up helpers: collect parameter groups, build the optimizer over master shards.
+
+Kept apart from ``engine.py`` so the engine reads as orchestration only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+OptimizerLike = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None
+
+
+def collect_param_groups(
+    module: nn.Module, optimizer: OptimizerLike, model_parameters: Iterable[Any] | None
+) -> list[dict[str, Any]]:
+    """The parameter groups to shard: from a client optimizer, ``model_parameters`` or the module.
+
+    Each group is a dict with ``params`` (deduplicated, trainable only) and the group's
+    hyperparameters. Tied parameters appear once, in the first group that lists them.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            raw = [dict(g) for g in items]
+        else:
+            raw = [{"params": items}]
+    else:
+        raw = [{"params": list(module.parameters())}]
+
+    seen: set[int] = set()
+    groups = []
+    for g in raw:
+        params = g["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unique = []
+        for p in params:
+            if not isinstance(p, nn.Parameter):
+                raise ValueError(
+                    f"model_parameters/optimizer param groups must hold nn.Parameter objects "
+                    f"of the model, got {type(p).__name__}; pass model.parameters()."
+                )
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            unique.append(p)
+        groups.append({**g, "params": unique})
+    module_params = {id(p) for p in module.parameters()}
+    foreign = [p for g in groups for p in g["params"] if id(p) not in module_params]
+    if foreign:
+        raise ValueError(
+            f"{len(foreign)} parameter(s) given to the optimizer are not parameters of the "
+            "model passed to initialize(); pass the model's own parameters."
+        )
+    return [g for g in groups if g["params"]]
+
+
+def rebind_optimizer(
+    optimizer: OptimizerLike,
+    config_optimizer: Any,
+    groups: list[dict[str, Any]],
+    master_params: list[list[torch.Tensor]],
+) -> torch.optim.Optimizer | None:
+    """Return a torch optimizer whose groups hold the master shards instead of the params.
+
+    * a client optimizer instance is reused: its ``param_groups[i]['params']`` become the
+      masters of group ``i`` (hyperparameters, and any scheduler bound to it, are kept);
+    * a callable is called with the master groups;
+    * otherwise the config's ``optimizer`` block builds one.
+    """
+    master_groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": m}
+        for g, m in zip(groups, master_params)
+    ]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if len(optimizer.param_groups) != len(groups):
+            raise ValueError(
+                "the client optimizer has param groups with no trainable parameters; "
+                "remove empty or frozen-only groups before calling initialize()."
+            )
+        if optimizer.state:
+            raise ValueError(
+                "the client optimizer already has state (it has been stepped); pass a fresh "
+                "optimizer to initialize() and load state through the engine's checkpoints."
+            )
+        for pg, m in zip(optimizer.param_groups, master_params):
+            pg["params"] = m
+        return optimizer
+    if callable(optimizer):
+        return optimizer(master_groups)
+    if config_optimizer is not None:
+        from shardspeed.optim import build_optimizer
+
+        return build_optimizer(config_optimizer.type, dict(config_optimizer.params), master_groups)
+    return None
+
+
+def cast_module(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Move the module to ``device`` and cast floating parameters and buffers to ``dtype``."""
+    module.to(device=device)
+    if dtype != torch.float32:
+        module.to(dtype=dtype)

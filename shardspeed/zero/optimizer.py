@@ -1,0 +1,153 @@
+"""The sharded optimizer: fp32 masters of this rank's shard, updated by a torch optimizer.
+
+``step()`` reads like the algorithm: finish gradient reduction, unscale into master
+gradients, detect overflow, clip by the global norm, update, write back, all-gather.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.precision.loss_scaler import LossScaler
+from shardspeed.utils.logging import get_logger
+from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.reducer import GradReducer
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    applied: bool
+    grad_norm: float | None
+
+
+class ShardedOptimizer:
+    """Wraps the user's/config's torch optimizer, which updates per-bucket master shards.
+
+    Exposes ``param_groups``/``state``/``state_dict`` of the inner optimizer so schedulers
+    and user code that read the learning rate keep working.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        groups: list[FlatGroup],
+        reducer: GradReducer,
+        *,
+        stage: int,
+        dp_group: object | None,
+        dp_world_size: int,
+        loss_scaler: LossScaler,
+        gradient_clipping: float,
+        check_overflow: bool,
+    ) -> None:
+        self.optimizer = inner
+        self.groups = groups
+        self.reducer = reducer
+        self.stage = stage
+        self.dp_group = dp_group
+        self.dp_world_size = dp_world_size
+        self.loss_scaler = loss_scaler
+        self.gradient_clipping = gradient_clipping
+        self.check_overflow = check_overflow
+
+    # -- torch.optim.Optimizer-like surface ----------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.groups:
+            group.zero_grads()
+            for master in group.masters:
+                master.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self.reducer.flush()
+        self._unscale_into_master_grads(1.0 / self.loss_scaler.loss_scale)
+        grad_norm = self._global_grad_norm()
+        if self.check_overflow and not math.isfinite(grad_norm):
+            self.loss_scaler.update(overflow=True)
+            self.zero_grad()
+            return StepResult(applied=False, grad_norm=grad_norm)
+        self._clip(grad_norm)
+        self.optimizer.step()
+        self._publish_params()
+        self.loss_scaler.update(overflow=False)
+        self.zero_grad()
+        return StepResult(applied=True, grad_norm=grad_norm)
+
+    def _unscale_into_master_grads(self, inv_scale: float) -> None:
+        for group in self.groups:
+            for bucket, master in zip(group.buckets, group.masters):
+                grad = group.shard_grad(bucket)
+                if grad.dtype == master.dtype:
+                    if inv_scale != 1.0:
+                        grad.mul_(inv_scale)
+                    master.grad = grad
+                else:
+                    master.grad = grad.to(master.dtype).mul_(inv_scale)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+
+    def _global_grad_norm(self) -> float:
+        grads = self.master_grads()
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+        else:
+            sq = torch.zeros((), dtype=torch.float32)
+        if self.stage >= 1 and self.dp_world_size > 1:
+            comm.all_reduce(sq, group=self.dp_group)
+        return float(sq.sqrt())
+
+    def _clip(self, grad_norm: float) -> None:
+        if self.gradient_clipping <= 0:
+            return
+        coef = self.gradient_clipping / (grad_norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(self.master_grads(), coef)
+
+    def _publish_params(self) -> None:
+        """Write masters into the parameter shards and all-gather the full parameters."""
+        works = []
+        for group in self.groups:
+            group.copy_masters_to_params()
+            if self.stage == 0 or self.dp_world_size == 1:
+                continue
+            for bucket in group.buckets:
+                shard = group.param_shard(bucket).clone()
+                works.append(
+                    comm.all_gather_into_tensor(
+                        group.bucket_params(bucket), shard, group=self.dp_group, async_op=True
+                    )
+                )
+        for work in works:
+            work.wait()

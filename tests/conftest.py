@@ -1,0 +1,37 @@
+"""Project-wide pytest wiring: distributed worker pools, GPU skips."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing or broken
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (marker 'gpu')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shutdown_distributed_pools():
+    """Stop the warm multi-process worker pools when the session ends.
+
+    Pools are also stopped by an atexit hook, and workers exit on their own when this
+    process dies (their pipes close), so an interrupted run leaks no processes.
+    """
+    yield
+    from shardspeed.testing import shutdown_pools
+
+    shutdown_pools()
