@@ -92,7 +92,9 @@ class ShardSpeedConfig(ConfigModel):
 
     # -- logging -------------------------------------------------------------------------------
     steps_per_print: Int | None = Field(
-        10, ge=1, description="Log lr/loss-scale progress every N optimizer steps (None = never)."
+        10,
+        ge=0,
+        description="Log lr/loss-scale progress every N optimizer steps (0 or None = never).",
     )
     wall_clock_breakdown: bool = Field(
         False, description="Time forward/backward/step (forced on by flops_profiler.enabled)."

@@ -169,9 +169,9 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
 
     # -- forward / backward / step -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.reporter.start("forward")
+        self.reporter.before_forward()
         out = self.module(*args, **kwargs)
-        self.reporter.stop("forward")
+        self.reporter.after_forward()
         return out
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -318,6 +318,66 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             pin_memory=pin_memory,
             data_sampler=data_sampler,
         )
+
+    @property
+    def timers(self) -> Any:
+        """Named phase timers (``forward``, ``backward``, ``backward_reduce``, ``step``)."""
+        return self.reporter.timers
+
+    @property
+    def monitor(self) -> Any:
+        return self.reporter.monitor
+
+    # -- checkpoints (format and resharding live in shardspeed.checkpoint) -----------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Collective: every rank writes its own shards under ``save_dir/tag``."""
+        from shardspeed.checkpoint.engine_api import save_checkpoint
+
+        return save_checkpoint(
+            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """Load (and reshard to this layout) a checkpoint; returns ``(path, client_state)``."""
+        from shardspeed.checkpoint.engine_api import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_lr_scheduler_states,
+            load_module_only,
+        )
+
+    def save_16bit_model(
+        self,
+        save_dir: str,
+        save_filename: str = "pytorch_model.bin",
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        """Write the consolidated weights in the training dtype (rank 0 writes)."""
+        from shardspeed.checkpoint.engine_api import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    save_fp16_model = save_16bit_model
 
     def destroy(self) -> None:
         """Remove hooks and drop references (accelerate calls this)."""
