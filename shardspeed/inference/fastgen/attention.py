@@ -1,0 +1,172 @@
+"""Attention of ragged query tokens over each sequence's blocked KV cache.
+
+For a sequence with ``start`` cached tokens and ``n`` new ones, query ``i`` (at
+position ``start + i``) attends to key positions ``0 .. start + i``; the key of
+position ``p`` lives in slot ``block_table[p // block_size] * block_size + p %
+block_size``. New K/V are written to their slots *before* attending, so a chunk
+attends to itself causally. Decodes (``n == 1``) and prompt chunks are the same
+formula.
+
+Backends (chosen once per engine, see :func:`select_backend`):
+
+* ``"torch"`` (CPU and fallback on CUDA): decodes of similar context length
+  are batched into one padded SDPA call with a length mask (groups keep padding
+  small; see :func:`~shardspeed.inference.fastgen.ragged.group_decodes`); each
+  prompt chunk runs its own SDPA with a causal offset mask (or ``is_causal``
+  when it starts at position 0).
+* ``"flash"`` (CUDA, ``flash_attn`` importable, ``block_size % 256 == 0``):
+  ``flash_attn_varlen_func`` reads the paged cache through ``block_table``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from shardspeed.inference.fastgen.kv_cache import KVCache
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "flash")
+
+
+@dataclass
+class ChunkMeta:
+    """One sequence computed with more than one query token (a prompt chunk)."""
+
+    token_start: int  # first row of the sequence in the ragged batch
+    num_tokens: int
+    context_len: int
+    blocks: torch.Tensor  # [num_blocks_of_seq] its block table
+    mask: torch.Tensor | None  # [num_tokens, context_len] bool, None => is_causal
+
+
+@dataclass
+class DecodeGroup:
+    """Single-token sequences of similar context length, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [G] rows of the ragged batch
+    block_table: torch.Tensor  # [G, MB] (padding -> block 0)
+    mask: torch.Tensor | None  # [G, 1, 1, MB * block_size] bool, None when nothing is padded
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention bookkeeping shared by every layer."""
+
+    backend: str
+    # torch backend
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    chunks: list[ChunkMeta] = field(default_factory=list)
+    # flash backend
+    cu_seqlens_q: torch.Tensor | None = None  # [S + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [S + 1] int32
+    block_table: torch.Tensor | None = None  # [S, max_blocks] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+def flash_attn_available() -> bool:
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def select_backend(
+    requested: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float16
+) -> str:
+    """Resolve ``"auto"`` to ``"flash"`` or ``"torch"``; validate explicit choices."""
+    if requested not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"EngineConfig.attention_backend={requested!r} is not supported; "
+            f"choose one of {ATTENTION_BACKENDS}."
+        )
+    flash_ok = (
+        device.type == "cuda"
+        and block_size % 256 == 0
+        and dtype in (torch.float16, torch.bfloat16)
+        and flash_attn_available()
+    )
+    if requested == "flash" and not flash_ok:
+        raise ValueError(
+            "attention_backend='flash' needs a CUDA device, flash_attn installed, fp16/bf16 "
+            f"weights and block_size divisible by 256 (got block_size={block_size}, "
+            f"device={device}, dtype={dtype}); use attention_backend='auto'."
+        )
+    backend = "flash" if flash_ok and requested in ("auto", "flash") else "torch"
+    logger.info("attention backend: %s (device=%s, block_size=%d)", backend, device, block_size)
+    return backend
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write ``k``/``v`` of the new tokens, then attend; returns ``[N, H, D]``.
+
+    ``q``: ``[N, H, D]``; ``k``, ``v``: ``[N, H_kv, D]`` for the N ragged tokens.
+    """
+    kv_cache.write(layer, slot_mapping, k, v)
+    if meta.backend == "flash":
+        return _flash_attention(q, kv_cache, layer, meta)
+    return _torch_attention(q, kv_cache, layer, meta)
+
+
+def _torch_attention(
+    q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:
+    k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]  # [num_blocks, BS, H_kv, D]
+    n_tok, n_heads, d = q.shape
+    n_kv = k_cache.shape[2]
+    out = torch.empty_like(q)  # [N, H, D]
+    for g in meta.decode_groups:
+        num = g.rows.numel()
+        # Gather whole blocks (contiguous copies), not single slots.
+        kd = k_cache[g.block_table].view(num, -1, n_kv, d).transpose(1, 2)  # [G, H_kv, L, D]
+        vd = v_cache[g.block_table].view(num, -1, n_kv, d).transpose(1, 2)  # [G, H_kv, L, D]
+        # One query token: the query heads sharing a KV head act as that head's queries.
+        qd = q[g.rows].view(num, n_kv, n_heads // n_kv, d)  # [G, H_kv, H / H_kv, D]
+        od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask)
+        out[g.rows] = od.reshape(num, n_heads, d)
+    for c in meta.chunks:
+        kc = k_cache[c.blocks].view(-1, n_kv, d)[: c.context_len].transpose(0, 1)  # [H_kv, L, D]
+        vc = v_cache[c.blocks].view(-1, n_kv, d)[: c.context_len].transpose(0, 1)  # [H_kv, L, D]
+        qc = q[c.token_start : c.token_start + c.num_tokens].transpose(0, 1)  # [H, n, D]
+        oc = F.scaled_dot_product_attention(
+            qc.unsqueeze(0),
+            kc.unsqueeze(0).to(q.dtype),
+            vc.unsqueeze(0).to(q.dtype),
+            attn_mask=c.mask,
+            is_causal=c.mask is None,
+            enable_gqa=True,
+        )  # [1, H, n, D]
+        out[c.token_start : c.token_start + c.num_tokens] = oc[0].transpose(0, 1)
+    return out
+
+
+def _flash_attention(
+    q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata
+) -> torch.Tensor:  # pragma: no cover - needs CUDA + flash_attn
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q,
+        kv_cache.k[layer],
+        kv_cache.v[layer],
+        meta.cu_seqlens_q,
+        meta.cu_seqlens_k,
+        meta.max_seqlen_q,
+        meta.max_seqlen_k,
+        causal=True,  # bottom-right aligned: query i sees keys <= start + i
+        block_table=meta.block_table,
+    )

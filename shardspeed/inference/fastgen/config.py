@@ -1,0 +1,91 @@
+"""Engine configuration (one dataclass, validated once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from shardspeed.inference.fastgen.attention import ATTENTION_BACKENDS
+from shardspeed.inference.fastgen.scheduler import SCHEDULER_POLICIES
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of :class:`~shardspeed.inference.fastgen.engine.InferenceEngine`.
+
+    Attributes:
+        block_size: token slots per KV block; None => 16 on CPU, 64 on CUDA.
+        num_blocks: KV blocks to allocate; None => from ``kv_cache_memory``.
+        kv_cache_memory: KV budget as bytes (int) or a fraction (0, 1] of free
+            device memory (host ``available`` memory on CPU). With both None the
+            cache holds ``max_ragged_sequence_count * max_seq_len`` tokens, capped
+            at 90% of free CUDA memory or 25% of available host memory.
+        max_ragged_batch_size: token budget of one forward (all sequences together).
+        max_ragged_sequence_count: most sequences in one forward.
+        max_seq_len: prompt + generated tokens per request; None => model's maximum.
+        scheduler: ``"splitfuse"`` | ``"prefill_first"`` | ``"static"``.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        dtype: weights/KV dtype (``torch.dtype`` or name); None => checkpoint's
+            (fp16 checkpoints run in fp32 on CPU).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None => the accelerator.
+        attention_backend: ``"auto"`` | ``"torch"`` | ``"flash"``.
+        watermark: fraction of blocks kept free when admitting new prompts while
+            others run (fewer preemptions).
+    """
+
+    block_size: int | None = None
+    num_blocks: int | None = None
+    kv_cache_memory: int | float | None = None
+    max_ragged_batch_size: int = 512
+    max_ragged_sequence_count: int = 64
+    max_seq_len: int | None = None
+    scheduler: str = "splitfuse"
+    enable_prefix_caching: bool = False
+    dtype: torch.dtype | str | None = None
+    device: str | None = None
+    attention_backend: str = "auto"
+    watermark: float = 0.01
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        """Like the constructor, but an unknown key raises ``ValueError`` listing the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}.")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        def positive(name: str, value: int | None, allow_none: bool) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r} must be an int >= 1.")
+
+        positive("block_size", self.block_size, True)
+        positive("num_blocks", self.num_blocks, True)
+        positive("max_ragged_batch_size", self.max_ragged_batch_size, False)
+        positive("max_ragged_sequence_count", self.max_ragged_sequence_count, False)
+        positive("max_seq_len", self.max_seq_len, True)
+        if self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(
+                f"EngineConfig.scheduler={self.scheduler!r} is not supported; "
+                f"choose one of {SCHEDULER_POLICIES}."
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"EngineConfig.attention_backend={self.attention_backend!r} is not supported; "
+                f"choose one of {ATTENTION_BACKENDS}."
+            )
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"EngineConfig.watermark={self.watermark!r} must be in [0, 1).")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        from shardspeed.accelerator import get_accelerator
+
+        if get_accelerator().name == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")

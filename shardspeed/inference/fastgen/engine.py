@@ -1,0 +1,268 @@
+"""The FastGen-style inference engine: continuous batching over a blocked KV cache.
+
+``step()`` is the whole loop::
+
+    batch  = scheduler.schedule()          # grant tokens, allocate blocks
+    logits = runner.execute(batch)         # one ragged forward
+    scheduler.commit(batch)                # num_computed_tokens += granted
+    tokens = sample_next_tokens(logits)    # rows whose chunk reached the last token
+    outputs = append + stop checks         # finished requests free their blocks
+
+The engine is not thread-safe: one thread calls ``add_request``/``abort``/``step``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shardspeed.inference.fastgen.attention import select_backend
+from shardspeed.inference.fastgen.block_pool import BlockPool
+from shardspeed.inference.fastgen.config import EngineConfig
+from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
+from shardspeed.inference.fastgen.loader import build_model, resolve_tokenizer
+from shardspeed.inference.fastgen.model_runner import ModelRunner
+from shardspeed.inference.fastgen.output_processor import OutputProcessor
+from shardspeed.inference.fastgen.outputs import RequestOutput
+from shardspeed.inference.fastgen.request import Request
+from shardspeed.inference.fastgen.sampling import sample_next_tokens
+from shardspeed.inference.fastgen.sampling_params import SamplingParams
+from shardspeed.inference.fastgen.scheduler import Scheduler
+from shardspeed.utils.logging import get_logger, warning_once
+
+__all__ = ["EngineConfig", "EngineStats", "InferenceEngine"]
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges of an engine."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_generated_total: int
+    prompt_tokens_total: int
+    num_steps: int
+    num_preemptions: int
+    prefix_cache_hit_blocks: int
+
+
+class InferenceEngine:
+    """Continuous-batching text generation over a blocked KV cache."""
+
+    def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
+        self.config = config or EngineConfig()
+        self.config.validate()
+        cfg = self.config
+        self.device = cfg.resolved_device()
+        self.model, self.model_config = build_model(model, cfg.dtype, self.device)
+        self.tokenizer = tokenizer
+        self.max_seq_len = self._resolve_max_seq_len()
+        block_size = cfg.block_size or (64 if self.device.type == "cuda" else 16)
+        m = self.model
+        spec = KVCacheSpec(
+            m.num_layers, m.num_kv_heads, m.head_dim, block_size, next(m.parameters()).dtype
+        )
+        default_tokens = cfg.max_ragged_sequence_count * self.max_seq_len
+        num_blocks = resolve_num_blocks(
+            spec, self.device, cfg.num_blocks, cfg.kv_cache_memory, default_tokens
+        )
+        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        self.block_pool = BlockPool(num_blocks, block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_pool,
+            cfg.max_ragged_batch_size,
+            cfg.max_ragged_sequence_count,
+            cfg.scheduler,
+            watermark_blocks=int(cfg.watermark * num_blocks),
+        )
+        backend = select_backend(cfg.attention_backend, self.device, block_size, spec.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, backend)
+        eos = list(m.eos_token_ids)
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        if tok_eos is not None and tok_eos not in eos:
+            eos.append(int(tok_eos))
+        self.output_processor = OutputProcessor(tokenizer, eos, self.max_seq_len)
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._pending: list[RequestOutput] = []  # aborted outputs for the next step()
+        self._ids = itertools.count()
+        self._num_steps = self._tokens_generated = self._prompt_tokens = 0
+
+    @classmethod
+    def from_pretrained(
+        cls, model_or_path: Any, tokenizer: Any = None, **config_kwargs: Any
+    ) -> InferenceEngine:
+        """Engine for an HF dir, transformers model, shardspeed GPT or its saved dir.
+
+        ``tokenizer`` None picks ``AutoTokenizer`` from the directory when present,
+        ``ByteTokenizer`` for shardspeed GPT; ``config_kwargs`` are
+        :class:`EngineConfig` fields.
+        """
+        config = EngineConfig.from_kwargs(**config_kwargs)
+        return cls(model_or_path, resolve_tokenizer(model_or_path, tokenizer), config)
+
+    def _resolve_max_seq_len(self) -> int:
+        limit = self.model.max_positions
+        wanted = self.config.max_seq_len or limit or 4096
+        if limit is not None and wanted > limit:
+            if self.model.learned_positions:
+                raise ValueError(
+                    f"EngineConfig.max_seq_len={wanted} exceeds the model's {limit} learned "
+                    f"positions; use max_seq_len <= {limit}."
+                )
+            warning_once(f"max_seq_len={wanted} is beyond the model's trained {limit} positions")
+        return wanted
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self._encode(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"SamplingParams.stop={params.stop!r} needs a tokenizer to detokenize output; "
+                "pass tokenizer= to the engine or use stop_token_ids."
+            )
+        if len(token_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_seq_len={self.max_seq_len} leaves no "
+                "room to generate; shorten the prompt or raise EngineConfig.max_seq_len."
+            )
+        kv_tokens = min(len(token_ids) + params.max_new_tokens, self.max_seq_len) - 1
+        need = self.block_pool.blocks_for_tokens(kv_tokens)
+        if need > self.block_pool.num_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks ({len(token_ids)} prompt + "
+                f"{params.max_new_tokens} new tokens) but the whole cache has "
+                f"{self.block_pool.num_blocks}; raise num_blocks/kv_cache_memory or lower "
+                "max_new_tokens."
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(
+                f"request_id={request_id!r} is already in use by an unfinished request."
+            )
+        req = Request(request_id, token_ids, params)
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+        self._prompt_tokens += len(token_ids)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    "prompt is a str but the engine has no tokenizer; pass token ids "
+                    "or give the engine a tokenizer."
+                )
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("prompt is empty; pass at least one token.")
+        vocab = self.model.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its final output (``finish_reason="abort"``) comes with the next ``step()``."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req, "abort")
+        self._pending.append(req.make_output())
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One schedule + one ragged forward; outputs of requests with new tokens or finished."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        now = time.perf_counter()
+        for seq in batch.sequences:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
+        logits = self.runner.execute(batch)
+        self.scheduler.commit(batch)
+        sampled = [s.request for s in batch.sequences if s.needs_logits]
+        tokens = sample_next_tokens(logits, sampled)
+        now = time.perf_counter()
+        for req, token in zip(sampled, tokens):
+            reason = self.output_processor.append(req, token, now)
+            if reason is not None:
+                self.scheduler.finish(req, reason, now)
+                self._requests.pop(req.request_id, None)
+            outputs.append(req.make_output())
+        self._num_steps += 1
+        self._tokens_generated += len(tokens)
+        return outputs
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; final outputs in prompt order.
+
+        Outputs of other requests already in the engine are consumed and dropped.
+        """
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(
+                f"generate got {len(prompts)} prompts but {len(params)} SamplingParams; "
+                "pass one SamplingParams or one per prompt."
+            )
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, per_prompt):
+                ids.append(self.add_request(prompt, sp))
+        except ValueError:
+            for rid in ids:  # all-or-nothing: do not leave half the batch running
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in ids]
+            raise
+        wanted, finals = set(ids), {}
+        while len(finals) < len(ids):
+            if not self.has_unfinished():
+                raise RuntimeError("engine has no work left but some requests never finished")
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    finals[out.request_id] = out
+        return [finals[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.block_pool.num_used,
+            kv_blocks_total=self.block_pool.num_blocks,
+            tokens_generated_total=self._tokens_generated,
+            prompt_tokens_total=self._prompt_tokens,
+            num_steps=self._num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_blocks=self.block_pool.num_cache_hits,
+        )
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"InferenceEngine({self.model.model_type}, device={self.device}, "
+            f"blocks={s.kv_blocks_used}/{s.kv_blocks_total}, scheduler={self.config.scheduler})"
+        )

@@ -1,0 +1,208 @@
+"""Build a ragged model from an HF directory, a transformers model or our GPT.
+
+The weights are always *copied* into our own ragged modules: the source model's
+``forward`` is never called. Sources:
+
+* a directory with ``config.json`` and ``model.safetensors`` (or a sharded
+  ``model.safetensors.index.json``), HF layout or ``GPT.save_pretrained``'s;
+* a ``transformers`` ``PreTrainedModel`` (its ``config`` and ``state_dict``);
+* a :class:`shardspeed.models.gpt.GPT`;
+* an already-built :class:`RaggedModel` (moved to ``device``/``dtype``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.inference.fastgen.models import RaggedModel, get_model_class
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``torch.dtype``, a name like ``"bf16"``, or None/``"auto"`` (= the checkpoint's)."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).replace("torch.", "").lower()
+    if key == "auto":
+        return None
+    if key not in _DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or 'auto'."
+        )
+    return _DTYPES[key]
+
+
+def load_hf_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(
+            f"model path {str(directory)!r} has no config.json; pass an HF model directory, "
+            "a transformers model object or a shardspeed GPT."
+        )
+    return json.loads(path.read_text())
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    single = directory / "model.safetensors"
+    files = [single] if single.is_file() else sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors weights in {str(directory)!r}; the engine loads safetensors only "
+            "(convert a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True))."
+        )
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for key in fh.keys():
+                yield key, fh.get_tensor(key)
+
+
+def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    name = config.get("torch_dtype") or config.get("dtype")
+    return _DTYPES.get(str(name).replace("torch.", "")) if name else None
+
+
+def describe_source(
+    model_or_path: Any,
+) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], torch.dtype | None]:
+    """(config dict with ``model_type``, weight iterator, checkpoint dtype) of a source."""
+    from shardspeed.models.gpt import GPT
+
+    if isinstance(model_or_path, (str, Path)):
+        directory = Path(model_or_path)
+        config = load_hf_config(directory)
+        return config, iter_safetensors(safetensors_files(directory)), _config_dtype(config)
+    if isinstance(model_or_path, GPT):
+        config = {"model_type": "shardspeed_gpt", **model_or_path.config.to_dict()}
+        dtype = next(model_or_path.parameters()).dtype
+        return config, iter(model_or_path.state_dict().items()), dtype
+    hf_config = getattr(model_or_path, "config", None)
+    if isinstance(model_or_path, nn.Module) and hasattr(hf_config, "to_dict"):
+        config = hf_config.to_dict()
+        dtype = next(model_or_path.parameters()).dtype
+        return config, iter(model_or_path.state_dict().items()), dtype
+    raise ValueError(
+        f"cannot build an inference model from {type(model_or_path).__name__}; pass an HF model "
+        "directory, a transformers PreTrainedModel, a shardspeed GPT or a RaggedModel."
+    )
+
+
+@contextlib.contextmanager
+def _skip_param_init() -> Iterator[None]:
+    """Make ``torch.nn.init`` fills no-ops: weights are loaded right after construction.
+
+    (Random init on the meta device is wasted work and, for ``normal_``, imports
+    ``torch._dynamo`` - seconds of start-up.)
+    """
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "ones_", "zeros_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace meta parameters with uninitialised ones (cheaper than ``to_empty``)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=False))
+
+
+def build_model(
+    model_or_path: Any, dtype: torch.dtype | str | None, device: torch.device
+) -> tuple[RaggedModel, dict[str, Any]]:
+    """A ragged model on ``device`` in ``dtype`` (None: checkpoint dtype; fp16 -> fp32 on CPU)."""
+    dtype = parse_dtype(dtype)
+    if isinstance(model_or_path, RaggedModel):
+        model = model_or_path.to(device=device, dtype=dtype) if dtype else model_or_path.to(device)
+        return model.eval(), {"model_type": model.model_type}
+    config, weights, source_dtype = describe_source(model_or_path)
+    if dtype is None:
+        dtype = source_dtype or torch.float32
+        if device.type == "cpu" and dtype == torch.float16:
+            dtype = torch.float32
+    cls = get_model_class(config.get("model_type"))
+    with torch.device("meta"), _skip_param_init():
+        model = cls.from_config(config)
+    _materialize(model, dtype, device)
+    model.tie_weights()
+    model.load_weights(weights)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1fM params) on %s as %s", cls.__name__, config.get("model_type"),
+        n_params / 1e6, device, str(dtype).replace("torch.", ""),
+    )  # fmt: skip
+    return model.eval(), config
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def resolve_tokenizer(model_or_path: Any, tokenizer: Any) -> Any:
+    """The tokenizer to use: given one (or a path for ``AutoTokenizer``), else a default.
+
+    Defaults: :class:`ByteTokenizer` for our GPT; ``AutoTokenizer`` from the model
+    directory (or a transformers model's ``name_or_path``) when tokenizer files
+    are there; otherwise None (prompts must then be token ids).
+    """
+    from shardspeed.models.gpt import GPT
+    from shardspeed.models.tokenizer import ByteTokenizer
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        return tokenizer
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(tokenizer))
+    directory: Path | None = None
+    if isinstance(model_or_path, GPT):
+        return ByteTokenizer()
+    if isinstance(model_or_path, (str, Path)):
+        directory = Path(model_or_path)
+        if load_hf_config(directory).get("model_type") == "shardspeed_gpt":
+            return ByteTokenizer()
+    elif isinstance(model_or_path, RaggedModel):
+        return ByteTokenizer() if model_or_path.model_type == "shardspeed_gpt" else None
+    else:
+        name = getattr(getattr(model_or_path, "config", None), "name_or_path", "") or ""
+        directory = Path(name) if name and Path(name).is_dir() else None
+    if directory is not None and any((directory / f).is_file() for f in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(directory))
+    logger.info("no tokenizer found for the model; prompts must be token id lists")
+    return None

@@ -1,0 +1,88 @@
+"""Base class of models that run one ragged forward over a blocked KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from shardspeed.inference.fastgen.kv_cache import KVCache
+    from shardspeed.inference.fastgen.ragged import RaggedBatch
+
+logger = get_logger(__name__)
+
+# (our parameter name, source tensor, rows of our parameter it fills or None for all, transpose)
+WeightTarget = tuple[str, torch.Tensor, slice | None, bool]
+
+
+class RaggedModel(nn.Module):
+    """A decoder-only LM whose ``forward(batch, kv_cache)`` returns ``[M, vocab]`` logits.
+
+    Subclasses set the shape attributes below in ``__init__``, implement
+    :meth:`from_config` (HF ``config.json`` dict -> model) and :meth:`map_weight`
+    (checkpoint tensor name -> where it goes); :meth:`load_weights` does the
+    copying and checks that every parameter was filled.
+    """
+
+    model_type: str = ""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int | None  # None => no hard limit (RoPE)
+    learned_positions: bool = False  # True => max_positions is a hard limit
+    eos_token_ids: list[int]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> RaggedModel:
+        raise NotImplementedError
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> list[WeightTarget] | None:
+        """Where checkpoint tensor ``name`` goes; ``[]`` to skip it, None if unknown."""
+        raise NotImplementedError
+
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Re-share tied parameters (``to_empty`` after meta init unties them)."""
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into this model; ``ValueError`` on shape mismatch or gaps."""
+        params = dict(self.named_parameters())
+        rows_filled = dict.fromkeys(params, 0)
+        unexpected = []
+        for name, tensor in weights:
+            targets = self.map_weight(name, tensor)
+            if targets is None:
+                unexpected.append(name)
+                continue
+            for pname, src, rows, transpose in targets:
+                param = params[pname]
+                src = src.t() if transpose else src
+                dst = param[rows] if rows is not None else param
+                if tuple(src.shape) != tuple(dst.shape):
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has shape {tuple(src.shape)} but "
+                        f"{pname!r}{'' if rows is None else f'[{rows.start}:{rows.stop}]'} "
+                        f"expects {tuple(dst.shape)}; does config.json match the weights?"
+                    )
+                dst.copy_(src)
+                rows_filled[pname] += dst.shape[0] if dst.dim() else 1
+        if unexpected:
+            logger.warning(
+                "ignored %d unexpected checkpoint tensors, e.g. %s", len(unexpected), unexpected[:3]
+            )
+        missing = [n for n, p in params.items() if rows_filled[n] < (p.shape[0] if p.dim() else 1)]
+        if missing:
+            raise ValueError(
+                f"checkpoint is missing weights for {len(missing)} parameters, e.g. {missing[:5]}; "
+                "check that the directory holds every *.safetensors shard."
+            )

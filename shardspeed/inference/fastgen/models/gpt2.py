@@ -1,0 +1,158 @@
+"""GPT-2 family (learned positions, pre-LayerNorm, fused QKV, tied LM head).
+
+HF GPT-2 stores its projections as ``Conv1D`` with weights ``[in, out]``; they
+are transposed on load. :mod:`shardspeed_gpt` reuses :class:`GPTModel` with our
+own GPT's names and ``nn.Linear`` layout.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.inference.fastgen.attention import paged_attention
+from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
+from shardspeed.inference.fastgen.models.layers import activation
+from shardspeed.inference.fastgen.models.registry import register_model
+
+if TYPE_CHECKING:
+    from shardspeed.inference.fastgen.kv_cache import KVCache
+    from shardspeed.inference.fastgen.ragged import RaggedBatch
+
+
+@dataclass
+class GPTShape:
+    vocab_size: int
+    max_positions: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    inner: int
+    eps: float
+    bias: bool
+    activation: str
+    eos_token_ids: list[int]
+    tied: bool = True
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, s: GPTShape):
+        super().__init__()
+        self.num_heads, self.head_dim = s.num_heads, s.hidden // s.num_heads
+        self.ln_1 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
+        self.c_attn = nn.Linear(s.hidden, 3 * s.hidden, bias=s.bias)
+        self.attn_proj = nn.Linear(s.hidden, s.hidden, bias=s.bias)
+        self.ln_2 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
+        self.c_fc = nn.Linear(s.hidden, s.inner, bias=s.bias)
+        self.mlp_proj = nn.Linear(s.inner, s.hidden, bias=s.bias)
+        self.act = activation(s.activation)
+
+    def forward(
+        self, x: torch.Tensor, batch: RaggedBatch, kv_cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        n, c = x.shape  # [N, hidden]
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=-1)  # each [N, hidden]
+        shape = (n, self.num_heads, self.head_dim)
+        o = paged_attention(
+            q.view(shape),
+            k.view(shape),
+            v.view(shape),
+            kv_cache,
+            layer,
+            batch.slot_mapping,
+            batch.attn,
+        )  # [N, H, D]
+        x = x + self.attn_proj(o.reshape(n, c))
+        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+
+
+@register_model("gpt2")
+class GPTModel(RaggedModel):
+    """Learned-position GPT decoder (HF GPT-2 weights by default)."""
+
+    conv1d_weights = True  # HF GPT-2 Conv1D stores [in, out]
+    learned_positions = True
+
+    def __init__(self, s: GPTShape, model_type: str = "gpt2"):
+        super().__init__()
+        self.model_type = model_type
+        self.num_layers = s.num_layers
+        self.num_heads = self.num_kv_heads = s.num_heads
+        self.head_dim = s.hidden // s.num_heads
+        self.vocab_size = s.vocab_size
+        self.max_positions = s.max_positions
+        self.eos_token_ids = list(s.eos_token_ids)
+        self.wte = nn.Embedding(s.vocab_size, s.hidden)
+        self.wpe = nn.Embedding(s.max_positions, s.hidden)
+        self.h = nn.ModuleList([GPTBlock(s) for _ in range(s.num_layers)])
+        self.ln_f = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
+        self.tied = s.tied
+        self.lm_head = nn.Linear(s.hidden, s.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tied:
+            self.lm_head.weight = self.wte.weight
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GPTModel:
+        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+            if config.get(key):
+                raise ValueError(f"gpt2 config {key}=True is not supported by the FastGen engine.")
+        if config.get("scale_attn_weights") is False:
+            raise ValueError(
+                "gpt2 config scale_attn_weights=False is not supported by the FastGen engine."
+            )
+        hidden = config["n_embd"]
+        eos = config.get("eos_token_id")
+        shape = GPTShape(
+            vocab_size=config["vocab_size"],
+            max_positions=config["n_positions"],
+            hidden=hidden,
+            num_layers=config["n_layer"],
+            num_heads=config["n_head"],
+            inner=config.get("n_inner") or 4 * hidden,
+            eps=config.get("layer_norm_epsilon", 1e-5),
+            bias=True,
+            activation=config.get("activation_function", "gelu_new"),
+            eos_token_ids=[] if eos is None else [int(eos)],
+            tied=bool(config.get("tie_word_embeddings", True)),
+        )
+        return cls(shape)
+
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
+        x = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [N, hidden]
+        for i, block in enumerate(self.h):
+            x = block(x, batch, kv_cache, i)
+        x = x[batch.logits_indices]  # [M, hidden]
+        return self.lm_head(self.ln_f(x))  # [M, vocab]
+
+    _BLOCK_RE = re.compile(
+        r"^h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)$"
+    )
+    _RENAME = {
+        "ln_1": "ln_1",
+        "ln_2": "ln_2",
+        "attn.c_attn": "c_attn",
+        "attn.c_proj": "attn_proj",
+        "mlp.c_fc": "c_fc",
+        "mlp.c_proj": "mlp_proj",
+    }
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> list[WeightTarget] | None:
+        name = name.removeprefix("transformer.")
+        if name in ("wte.weight", "wpe.weight") or name.startswith("ln_f."):
+            return [(name, tensor, None, False)]
+        if name == "lm_head.weight":
+            return [] if self.tied else [(name, tensor, None, False)]
+        m = self._BLOCK_RE.match(name)
+        if m is None:
+            # causal-mask buffers of old GPT-2 checkpoints
+            return [] if re.match(r"^h\.\d+\.attn\.(bias|masked_bias)$", name) else None
+        idx, module, kind = m.groups()
+        transpose = self.conv1d_weights and kind == "weight" and not module.startswith("ln")
+        return [(f"h.{idx}.{self._RENAME[module]}.{kind}", tensor, None, transpose)]

@@ -1,0 +1,56 @@
+"""Append sampled tokens to their requests, detokenize and decide when each stops."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shardspeed.inference.fastgen.request import Request
+
+
+def decode(tokenizer: Any, token_ids: list[int]) -> str:
+    """``tokenizer.decode`` without special tokens (tolerates tokenizers without the kwarg)."""
+    try:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+    except TypeError:
+        return tokenizer.decode(token_ids)
+
+
+class OutputProcessor:
+    """Applies stop rules in order: stop/EOS token, stop string, length."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_seq_len = max_seq_len
+
+    def append(self, req: Request, token: int, now: float) -> str | None:
+        """Record ``token`` for ``req``; return the finish reason if it must stop now."""
+        req.append_token(token, now)
+        params = req.params
+        reason = None
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            reason = "stop"
+        if self.tokenizer is not None:
+            req.text = decode(self.tokenizer, req.output_token_ids)
+            if reason is None and params.stop and self._trim_at_stop_string(req):
+                reason = "stop"
+        if reason is None and (
+            len(req.output_token_ids) >= params.max_new_tokens or req.num_tokens >= self.max_seq_len
+        ):
+            reason = "length"
+        return reason
+
+    @staticmethod
+    def _trim_at_stop_string(req: Request) -> bool:
+        """Cut ``req.text`` before the earliest stop string; True if one was found."""
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, req.stop_checked_chars - longest + 1)
+        hits = [i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0]
+        req.stop_checked_chars = len(req.text)
+        if not hits:
+            return False
+        req.text = req.text[: min(hits)]
+        return True
