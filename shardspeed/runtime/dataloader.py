@@ -47,6 +47,9 @@ class ShardSpeedDataLoader:
             num_workers=num_workers,
             pin_memory=pin_memory and torch.cuda.is_available(),
             drop_last=drop_last,
+            # Own generator: iterating must not draw from the global RNG (dropout stream),
+            # or a resumed run would diverge from an uninterrupted one.
+            generator=torch.Generator(),
         )
         self.epoch = 0
         self.position = 0  # batches consumed in the current epoch

@@ -90,7 +90,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             is_boundary=self.is_gradient_accumulation_boundary,
             predivide_factor=config.gradient_predivide_factor,
             prescale_gradients=config.prescale_gradients,
-            overlap=self.stage == 0 or config.zero_optimization.overlap_comm or True,
+            overlap=self._overlap_comm(),
         )
         self.optimizer: ShardedOptimizer | None = None
         if self.basic_optimizer is not None:
@@ -136,6 +136,16 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             )
             for g in groups
         ]
+
+    def _overlap_comm(self) -> bool:
+        """Overlap reduction with backward unless the user set ``overlap_comm: false``.
+
+        DeepSpeed defaults to no overlap below stage 3; here overlap is the default at
+        every stage because it only reorders when collectives start.
+        """
+        block = self._config.raw.get("zero_optimization")
+        explicit = block.get("overlap_comm") if isinstance(block, dict) else None
+        return True if explicit in (None, "auto") else bool(explicit)
 
     def _checks_overflow(self) -> bool:
         if self.precision.param_dtype == torch.float16:

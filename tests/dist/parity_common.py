@@ -140,7 +140,7 @@ def _reference_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tenso
             for a, p in zip(acc, params):
                 a.add_(p.grad.float())
                 p.grad = None
-            total += float(loss)
+            total += float(loss.detach())
         for m, a in zip(masters, acc):
             m.grad = a / (scale * spec.world)
         norm = math.sqrt(sum(float(m.grad.pow(2).sum()) for m in masters))
@@ -180,7 +180,7 @@ def engine_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            total += float(loss)
+            total += float(loss.detach())
         comm.all_reduce(total)
         losses.append(float(total) / (world * spec.gas))
     final = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}

@@ -1,0 +1,261 @@
+"""``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` for the training engine.
+
+Save protocol (atomic): rank 0 picks ``<tag>.tmp-<uuid>/``; every rank writes its
+``rankNNNNN.safetensors`` + ``rankNNNNN.json`` there; barrier; rank 0 writes
+``manifest.json``, renames the directory to ``<tag>/`` and only then rewrites ``latest``.
+A save that dies midway leaves a ``.tmp-`` directory that loading ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.checkpoint.format import (
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    TMP_MARKER,
+    build_index,
+    join_client_state,
+    load_manifest,
+    rank_stem,
+    read_json,
+    resolve_tag,
+    split_client_state,
+    write_json,
+)
+from shardspeed.checkpoint.shards import (
+    FragmentWriter,
+    SliceReader,
+    collect_fragments,
+    load_fragments,
+    tied_aliases,
+    trainable_ids,
+)
+from shardspeed.checkpoint.state import (
+    capture_engine_state,
+    capture_rng_state,
+    restore_engine_state,
+    restore_rng_state,
+)
+from shardspeed.utils.io import atomic_write_text
+from shardspeed.utils.logging import get_logger, log_dist
+
+logger = get_logger(__name__)
+
+FAULT_ENV = "SHARDSPEED_CKPT_FAULT"  # "after_rank_files": every rank raises before the barrier
+
+
+def _rank() -> int:
+    return comm.get_rank() if comm.is_initialized() else 0
+
+
+def _world() -> int:
+    return comm.get_world_size() if comm.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        comm.barrier()
+
+
+def _shared_token() -> str:
+    token = [uuid.uuid4().hex[:12] if _rank() == 0 else None]
+    if comm.is_initialized() and comm.get_world_size() > 1:
+        comm.broadcast_object_list(token, src=0)
+    return str(token[0])
+
+
+def _check_tag(tag: str) -> str:
+    if not tag or "/" in tag or os.sep in tag or tag in (".", "..") or TMP_MARKER in tag:
+        raise ValueError(
+            f"checkpoint tag {tag!r} is not a plain directory name; use e.g. 'global_step100' "
+            f"(no path separators, not containing {TMP_MARKER!r})."
+        )
+    return tag
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Save a resumable, topology-independent checkpoint of ``engine``; every rank must call it.
+
+    Writes ``<save_dir>/<tag>/`` (default tag ``global_step{N}``) atomically and, with
+    ``save_latest``, points ``<save_dir>/latest`` at it. ``client_state`` may hold JSON
+    values and tensors; it is returned by :func:`load_checkpoint`.
+    """
+    tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    save_dir = Path(save_dir)
+    rank, world = _rank(), _world()
+    tmp = save_dir / f"{tag}{TMP_MARKER}{_shared_token()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    client_json, client_tensors = split_client_state(client_state or {})
+    writer = FragmentWriter()
+    scalars = collect_fragments(engine, writer, exclude_frozen=exclude_frozen_parameters)
+    from safetensors.torch import save_file
+
+    stem = rank_stem(rank)
+    save_file({**writer.tensors, **client_tensors}, str(tmp / f"{stem}.safetensors"))
+    meta = {
+        "file": f"{stem}.safetensors",
+        "rank": rank,
+        "world_size": world,
+        "tensors": writer.entries,
+        "client_tensors": sorted(client_tensors),
+        "client_state": client_json,
+        "optimizer_scalars": scalars,
+        "engine": capture_engine_state(engine),
+        "rng": capture_rng_state(),
+    }
+    if rank == 0:
+        meta["tied_aliases"] = tied_aliases(engine.module)
+        meta["param_order"] = list(engine.module.state_dict().keys())
+    write_json(tmp / f"{stem}.json", meta)
+    if os.environ.get(FAULT_ENV) == "after_rank_files":
+        raise RuntimeError(f"{FAULT_ENV}=after_rank_files: simulated crash during save")
+    _barrier()
+    if rank == 0:
+        _finalise(save_dir, tmp, tag, world, engine, save_latest)
+    _barrier()
+    log_dist(f"saved checkpoint {save_dir / tag}")
+    return True
+
+
+def _finalise(save_dir: Path, tmp: Path, tag: str, world: int, engine: Any, latest: bool) -> None:
+    metas = [read_json(tmp / f"{rank_stem(r)}.json") for r in range(world)]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "world_size": world,
+        "dp_world_size": engine.dp_world_size,
+        "stage": engine.stage,
+        "global_steps": engine.global_steps,
+        "files": [m["file"] for m in metas],
+        "optimizer_scalars": metas[0]["optimizer_scalars"],
+        "tied_aliases": metas[0]["tied_aliases"],
+        "param_order": metas[0]["param_order"],
+        "index": build_index(metas),
+    }
+    write_json(tmp / MANIFEST, manifest)
+    final = save_dir / tag
+    old = None
+    if final.exists():  # re-saving a tag: swap, then delete the old copy
+        old = save_dir / f"{tag}{TMP_MARKER}old-{uuid.uuid4().hex[:8]}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    if latest:
+        atomic_write_text(save_dir / LATEST, tag)
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a checkpoint saved at any world size / stage 0-2 into ``engine``.
+
+    Returns ``(path, client_state)``, or ``(None, None)`` (with a warning) when
+    ``load_dir`` holds no finished checkpoint.
+    """
+    load_dir = Path(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        logger.warning(f"no finished checkpoint under {load_dir}; nothing loaded")
+        return None, None
+    tag_dir = load_dir / tag
+    manifest = load_manifest(tag_dir)
+    rank = _rank()
+    same_topology = manifest["world_size"] == _world()
+    own = read_json(tag_dir / f"{rank_stem(rank if same_topology else 0)}.json")
+    reader = SliceReader(tag_dir)
+    optimizer_states = load_optimizer_states and not load_module_only
+    load_fragments(
+        engine, reader, manifest, optimizer_states=optimizer_states, strict=load_module_strict
+    )
+    if engine.optimizer is not None:
+        engine.optimizer._publish_params()  # stage-aware (a ZeRO-3 optimizer overrides it)
+    else:
+        _publish(engine)
+    client = {k: reader.read(own["file"], k, 0, None) for k in own["client_tensors"]}
+    if not load_module_only:
+        restore_engine_state(
+            engine,
+            own["engine"],
+            optimizer_states=optimizer_states,
+            scheduler_states=load_lr_scheduler_states,
+        )
+        if same_topology:
+            restore_rng_state(own["rng"])
+    _barrier()
+    log_dist(
+        f"loaded checkpoint {tag_dir} (saved at world {manifest['world_size']} stage "
+        f"{manifest['stage']}; now world {_world()} stage {engine.stage})"
+    )
+    return str(tag_dir), join_client_state(own["client_state"], client)
+
+
+@torch.no_grad()
+def _publish(engine: Any) -> None:
+    """Masters -> parameter shards -> all-gathered full parameters."""
+    works = []
+    for group in engine.flat_groups:
+        group.copy_masters_to_params()
+        if group.layout.shard_world_size == 1:
+            continue
+        for bucket in group.buckets:
+            shard = group.param_shard(bucket).clone()
+            works.append(
+                comm.all_gather_into_tensor(
+                    group.bucket_params(bucket), shard, group=engine.dp_group, async_op=True
+                )
+            )
+    for work in works:
+        work.wait()
+
+
+def save_16bit_model(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    save_filename: str = "pytorch_model.bin",
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Write the full model in its training dtype on rank 0 (``.safetensors`` or torch.save)."""
+    path = Path(save_dir) / save_filename
+    if _rank() == 0:
+        trainable = trainable_ids(engine)
+        frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
+        state = {
+            k: v.detach().to("cpu", copy=True).contiguous()
+            for k, v in engine.module.state_dict().items()
+            if not (exclude_frozen_parameters and k in frozen)
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata={"format": "pt"})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, path)
+    _barrier()
+    return True

@@ -1,0 +1,297 @@
+"""Tensor fragments of a checkpoint: what each rank writes, and how a rank refills its shard.
+
+Every trainable parameter is stored as the fragments its owners hold (one per owning rank,
+flattened), named by parameter name, kind (``master`` or an optimizer state key such as
+``exp_avg``) and the element range [start, end) of the flattened parameter. Loading maps
+this rank's fragments of the *new* layout (:func:`param_shard_fragments`) onto the stored
+ranges, so any world size and any stage 0-2 loads any other. A stage-3 engine plugs in by
+exposing the same ``flat_groups`` (params, layout, masters, shard_rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.checkpoint.format import (
+    KIND_BUFFER,
+    KIND_MASTER,
+    KIND_PARAM,
+    NON_OPTIMIZER_KINDS,
+    dtype_from_name,
+    dtype_name,
+    overlapping,
+    tensor_key,
+)
+from shardspeed.zero.partition import param_shard_fragments
+
+
+def param_names(module: nn.Module) -> dict[int, str]:
+    """``id(param) -> name`` (the first name of a tied parameter)."""
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """``alias -> canonical name`` for parameters registered under several names."""
+    canonical = param_names(module)
+    return {
+        n: canonical[id(p)]
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if canonical[id(p)] != n
+    }
+
+
+@dataclass(frozen=True)
+class MasterFragment:
+    """Elements [start, start + length) of parameter ``name`` at ``local`` in ``master``.
+
+    ``master`` is the tensor the optimizer keys its state by; ``writes`` is False where
+    another rank saves the same elements (stage 0 replicas).
+    """
+
+    name: str
+    shape: list[int]
+    start: int
+    length: int
+    master: torch.Tensor
+    local: int
+    writes: bool
+
+
+def master_fragments(engine: Any) -> Iterator[MasterFragment]:
+    """This rank's master fragments. An engine with another layout (ZeRO-3) plugs in by
+    defining ``checkpoint_master_fragments()`` yielding :class:`MasterFragment`."""
+    custom = getattr(engine, "checkpoint_master_fragments", None)
+    if custom is not None:
+        yield from custom()
+        return
+    names = param_names(engine.module)
+    for group in engine.flat_groups:
+        layout = group.layout
+        writes = layout.shard_world_size > 1 or engine.dp_rank == 0
+        for p_idx, p_start, length, shard_off in param_shard_fragments(layout, group.shard_rank):
+            param = group.params[p_idx]
+            bucket = layout.slots[p_idx].bucket_index
+            yield MasterFragment(
+                name=names[id(param)],
+                shape=list(param.shape),
+                start=p_start,
+                length=length,
+                master=group.masters[bucket],
+                local=shard_off - layout.shard_offset(bucket),
+                writes=writes,
+            )
+
+
+def trainable_ids(engine: Any) -> set[int]:
+    """ids of the parameters the engine trains (the rest are saved whole as frozen)."""
+    groups = engine.flat_groups
+    if groups and all(hasattr(g, "params") for g in groups):
+        return {id(p) for g in groups for p in g.params}
+    return {id(p) for p in engine.module.parameters() if p.requires_grad}
+
+
+def _is_elementwise_state(value: Any, master: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == master.numel() > 1
+
+
+class FragmentWriter:
+    """Collects one rank's tensors (flattened, on CPU) and their metadata entries."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.entries: list[dict[str, Any]] = []
+
+    def add(self, name: str, kind: str, shape: list[int], start: int, data: torch.Tensor) -> None:
+        key = tensor_key(name, kind, start, start + data.numel())
+        self.tensors[key] = data.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        self.entries.append(
+            {
+                "key": key,
+                "name": name,
+                "kind": kind,
+                "shape": shape,
+                "start": start,
+                "end": start + data.numel(),
+                "dtype": dtype_name(data.dtype),
+            }
+        )
+
+
+def _scalar_state(value: Any, master: torch.Tensor) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {
+            "value": value.item(),
+            "dtype": dtype_name(value.dtype),
+            "on_param_device": value.device == master.device and master.device.type != "cpu",
+        }
+    return {"value": value}
+
+
+def collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: bool) -> list[Any]:
+    """Add this rank's master/optimizer-state fragments (+ frozen/buffers on rank 0).
+
+    Returns the scalar optimizer state per flat group (e.g. Adam's ``step``) as JSON.
+    """
+    opt = engine.basic_optimizer
+    scalars: list[dict[str, Any]] = []
+    for group in engine.flat_groups:
+        group_scalars: dict[str, Any] = {}
+        for master in group.masters:
+            state = opt.state.get(master, {}) if opt is not None else {}
+            for k, v in state.items():
+                if not _is_elementwise_state(v, master):
+                    group_scalars.setdefault(k, _scalar_state(v, master))
+        scalars.append(group_scalars)
+    for frag in master_fragments(engine):
+        if not frag.writes:
+            continue
+        sources = {KIND_MASTER: frag.master}
+        if opt is not None:
+            for k, v in opt.state.get(frag.master, {}).items():
+                if _is_elementwise_state(v, frag.master):
+                    sources[k] = v
+        for kind, src in sources.items():
+            piece = src.reshape(-1)[frag.local : frag.local + frag.length]
+            writer.add(frag.name, kind, frag.shape, frag.start, piece)
+    if engine.global_rank == 0:
+        trainable = trainable_ids(engine)
+        if not exclude_frozen:
+            for name, p in engine.module.named_parameters():
+                if id(p) not in trainable:
+                    writer.add(name, KIND_PARAM, list(p.shape), 0, p)
+        for name, b in persistent_buffers(engine.module).items():
+            writer.add(name, KIND_BUFFER, list(b.shape), 0, b)
+    return scalars
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    keys = set(module.state_dict().keys())
+    return {n: b for n, b in module.named_buffers() if n in keys}
+
+
+class SliceReader:
+    """Opens rank files lazily and reads element ranges of stored 1-D tensors."""
+
+    def __init__(self, tag_dir: Path) -> None:
+        self.tag_dir = tag_dir
+        self._handles: dict[str, Any] = {}
+
+    def read(self, file: str, key: str, lo: int, hi: int) -> torch.Tensor:
+        from safetensors import safe_open
+
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = safe_open(str(self.tag_dir / file), framework="pt", device="cpu")
+            self._handles[file] = handle
+        return handle.get_slice(key)[lo:hi]
+
+    def fill(self, dest: torch.Tensor, pieces: list[list[Any]], start: int, what: str) -> None:
+        """Fill flat ``dest`` with elements [start, start + dest.numel()) of the stored tensor."""
+        covered = 0
+        for file, key, lo, hi, offset in overlapping(pieces, start, start + dest.numel()):
+            dest[offset : offset + hi - lo].copy_(self.read(file, key, lo, hi))
+            covered += hi - lo
+        if covered != dest.numel():
+            raise ValueError(
+                f"checkpoint covers {covered} of the {dest.numel()} elements of {what} at "
+                f"[{start}, {start + dest.numel()}); the checkpoint is incomplete or corrupt."
+            )
+
+    def full(self, entry: dict[str, Any], kind: str, name: str) -> torch.Tensor:
+        numel = 1
+        for d in entry["shape"]:
+            numel *= d
+        out = torch.empty(numel, dtype=dtype_from_name(entry["dtype"]))
+        self.fill(out, entry["kinds"][kind], 0, f"{name} ({kind})")
+        return out.view(entry["shape"])
+
+
+def _restore_scalar(saved: dict[str, Any], master: torch.Tensor) -> Any:
+    if "dtype" not in saved:
+        return saved["value"]
+    device = master.device if saved.get("on_param_device") else torch.device("cpu")
+    return torch.tensor(saved["value"], dtype=dtype_from_name(saved["dtype"]), device=device)
+
+
+def load_fragments(
+    engine: Any,
+    reader: SliceReader,
+    manifest: dict[str, Any],
+    *,
+    optimizer_states: bool,
+    strict: bool,
+) -> None:
+    """Refill this rank's masters (and optimizer state) from any saved layout."""
+    index = manifest["index"]
+    opt = engine.basic_optimizer if optimizer_states else None
+    kinds = sorted({k for e in index.values() for k in e["kinds"]} - NON_OPTIMIZER_KINDS)
+    states: dict[int, dict[str, torch.Tensor]] = {
+        id(m): {k: torch.zeros_like(m) for k in kinds}
+        for g in engine.flat_groups
+        for m in g.masters
+    }
+    for frag in master_fragments(engine):
+        entry = index.get(frag.name)
+        if entry is None or KIND_MASTER not in entry["kinds"]:
+            raise ValueError(
+                f"checkpoint has no master weights for trainable parameter {frag.name!r}; it "
+                "was saved from a different model. Load the matching model or use "
+                "get_fp32_state_dict_from_checkpoint and load_state_dict(strict=False)."
+            )
+        if list(entry["shape"]) != frag.shape:
+            raise ValueError(
+                f"parameter {frag.name!r} has shape {frag.shape} but the checkpoint stores "
+                f"{entry['shape']}; the model architecture differs from the saved one."
+            )
+        span = slice(frag.local, frag.local + frag.length)
+        with torch.no_grad():
+            dest = frag.master.view(-1)[span]
+            reader.fill(dest, entry["kinds"][KIND_MASTER], frag.start, f"{frag.name} (master)")
+            if opt is None:
+                continue
+            for kind in kinds:
+                if kind not in entry["kinds"]:
+                    raise ValueError(f"checkpoint lacks optimizer state {kind!r} of {frag.name!r}")
+                dest = states[id(frag.master)][kind].view(-1)[span]
+                reader.fill(dest, entry["kinds"][kind], frag.start, f"{frag.name} ({kind})")
+    saved_scalars = manifest.get("optimizer_scalars", [])
+    for g_idx, group in enumerate(engine.flat_groups if opt is not None else []):
+        scalars = saved_scalars[g_idx] if g_idx < len(saved_scalars) else {}
+        if not (kinds or scalars):
+            continue  # saved before the first optimizer step
+        for master in group.masters:
+            opt.state[master] = {
+                **{k: _restore_scalar(v, master) for k, v in scalars.items()},
+                **states[id(master)],
+            }
+    _load_full_tensors(engine, reader, index, strict=strict)
+
+
+def _load_full_tensors(
+    engine: Any, reader: SliceReader, index: dict[str, Any], *, strict: bool
+) -> None:
+    trainable = trainable_ids(engine)
+    targets = {
+        n: (p, KIND_PARAM) for n, p in engine.module.named_parameters() if id(p) not in trainable
+    }
+    targets.update({n: (b, KIND_BUFFER) for n, b in persistent_buffers(engine.module).items()})
+    missing = []
+    for name, (tensor, kind) in targets.items():
+        entry = index.get(name)
+        if entry is None or kind not in entry["kinds"]:
+            missing.append(name)
+            continue
+        with torch.no_grad():
+            tensor.copy_(reader.full(entry, kind, name))
+    if missing and strict:
+        raise ValueError(
+            f"checkpoint lacks frozen parameters/buffers {missing}; it was saved with "
+            "exclude_frozen_parameters=True or from another model. Pass "
+            "load_module_strict=False to keep their current values."
+        )
