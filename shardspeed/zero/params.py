@@ -1,0 +1,389 @@
+"""ZeRO-3 parameter shard state: one flat, padded, sharded buffer per (unit, param group).
+
+A *unit* is a module whose parameters are gathered and released together (each element
+of an ``nn.ModuleList``, plus a root unit for everything else). Within a unit, the
+parameters of one optimizer param group form a :class:`ShardedFlat`: a single padded
+bucket laid out by :func:`shardspeed.zero.partition.build_layout` (world = dp size), of
+which this rank keeps only slice ``rank`` persistently (``shard``, param dtype).
+
+Outside use, ``param.data`` is an empty tensor; the attributes DeepSpeed users rely on
+are kept on every managed parameter: ``ds_shape``, ``ds_numel``, ``ds_status``,
+``ds_id`` and ``ds_tensor`` (this rank's piece of the parameter, possibly empty).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn as nn
+
+from shardspeed import comm
+from shardspeed.zero.offload import host_zeros
+from shardspeed.zero.partition import build_layout, param_shard_fragments
+
+
+class ZeroParamStatus(enum.Enum):
+    """Whether a ZeRO-3 parameter's full data is present on this rank."""
+
+    NOT_AVAILABLE = 1  # only the shard exists; ``param.data`` is empty
+    INFLIGHT = 2  # an all-gather is running
+    AVAILABLE = 3  # ``param.data`` is the full tensor
+
+
+class ShardedFlat:
+    """The parameters of one unit and one optimizer param group, sharded over the dp group."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        unit_id: int,
+        first_param_id: int,
+        dp_group: object | None,
+        world: int,
+        rank: int,
+        param_dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+        master_dtype: torch.dtype,
+        device: torch.device,
+        persistent: bool,
+        offload: bool,
+        pin_memory: bool,
+    ) -> None:
+        self.params = params
+        self.unit_id = unit_id
+        self.dp_group = dp_group
+        self.world = world
+        self.rank = rank
+        self.device = device
+        self.persistent = persistent
+        self.offload = offload
+        total = sum(p.numel() for p in params)
+        self.layout = build_layout([p.numel() for p in params], max(total, 1), world)
+        self.bucket = self.layout.buckets[0]
+        self.numel = self.bucket.numel  # padded full size: (world * shard_numel,)
+        # full: (numel,) in param dtype, params packed at their slots (rest zero padding).
+        full = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        for slot, p in zip(self.layout.slots, params):
+            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        lo, hi = self.bucket.shard_range(rank)
+        self.shard = full[lo:hi].clone()  # (numel / world,)
+        self.grad_shard = torch.zeros_like(self.shard, dtype=grad_dtype)
+        self.host_grad: torch.Tensor | None = None
+        if offload:
+            self.master = host_zeros(self.shard.numel(), master_dtype, pin_memory)
+            self.master.copy_(self.shard)
+            self.host_grad = host_zeros(self.shard.numel(), master_dtype, pin_memory)
+        elif param_dtype == master_dtype:
+            self.master = self.shard  # alias: the optimizer updates the shard in place
+        else:
+            self.master = self.shard.to(master_dtype).clone()
+        self.full: torch.Tensor | None = None
+        self._pending: tuple[torch.Tensor, object | None] | None = None
+        for i, p in enumerate(params):
+            p.ds_shape = p.shape
+            p.ds_numel = p.numel()
+            p.ds_id = first_param_id + i
+            p.ds_persist = persistent
+            p._ss_flat = self  # noqa: SLF001 - lookup for GatheredParameters
+        self._set_ds_tensors()
+        if persistent:
+            self._attach(full)
+        else:
+            self.release()
+
+    # -- status -------------------------------------------------------------------------
+    @property
+    def status(self) -> ZeroParamStatus:
+        if self.full is not None:
+            return ZeroParamStatus.AVAILABLE
+        if self._pending is not None:
+            return ZeroParamStatus.INFLIGHT
+        return ZeroParamStatus.NOT_AVAILABLE
+
+    def _set_ds_tensors(self) -> None:
+        owned = {idx: (start, length, off) for idx, start, length, off in
+                 param_shard_fragments(self.layout, self.rank)}  # fmt: skip
+        for i, p in enumerate(self.params):
+            if i in owned:
+                _, length, off = owned[i]
+                p.ds_tensor = self.shard[off : off + length]
+            else:
+                p.ds_tensor = self.shard[:0]
+
+    def _set_status(self, status: ZeroParamStatus) -> None:
+        for p in self.params:
+            p.ds_status = status
+
+    # -- gather / release ---------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Launch the all-gather of the full buffer (asynchronous where the backend allows)."""
+        if self.full is not None or self._pending is not None:
+            return
+        out = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
+        if self.world == 1:
+            out.copy_(self.shard)
+            work = None
+        else:
+            work = comm.all_gather_into_tensor(out, self.shard, group=self.dp_group, async_op=True)
+        self._pending = (out, work)
+        self._set_status(ZeroParamStatus.INFLIGHT)
+
+    def wait_gather(self) -> None:
+        """Finish a launched gather and point every parameter at its view of the full buffer."""
+        if self._pending is None:
+            return
+        out, work = self._pending
+        self._pending = None
+        if work is not None:
+            work.wait()
+        self._attach(out)
+
+    def gather(self) -> None:
+        self.start_gather()
+        self.wait_gather()
+
+    def _attach(self, full: torch.Tensor) -> None:
+        self.full = full
+        for slot, p in zip(self.layout.slots, self.params):
+            p.data = full[slot.offset : slot.offset + slot.numel].view(p.ds_shape)
+        self._set_status(ZeroParamStatus.AVAILABLE)
+
+    def release(self) -> None:
+        """Drop the full buffer; parameters become empty tensors again."""
+        self.wait_gather()
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.shard.dtype, device=self.device)
+        self.full = None
+        self._set_status(ZeroParamStatus.NOT_AVAILABLE)
+
+    @torch.no_grad()
+    def scatter_full_to_shard(self) -> None:
+        """After an in-place edit of the gathered params: copy this rank's slice into shard/master."""
+        assert self.full is not None
+        lo, hi = self.bucket.shard_range(self.rank)
+        self.shard.copy_(self.full[lo:hi])
+        if self.master is not self.shard:
+            self.master.copy_(self.shard)
+
+    # -- gradients ----------------------------------------------------------------------
+    @torch.no_grad()
+    def pack_grads(self, out: torch.Tensor) -> None:
+        """Copy ``param.grad`` of every parameter into ``out`` (zeros where absent); free them."""
+        out.zero_()
+        for slot, p in zip(self.layout.slots, self.params):
+            if p.grad is not None:
+                out[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+
+    def optimizer_grad(self) -> torch.Tensor:
+        """The gradient shard the optimizer reads: the host copy when offloading."""
+        if self.host_grad is not None:
+            self.host_grad.copy_(self.grad_shard)
+            return self.host_grad
+        return self.grad_shard
+
+    @torch.no_grad()
+    def copy_master_to_shard(self) -> None:
+        if self.master is not self.shard:
+            self.shard.copy_(self.master)
+
+    def storage_bytes(self) -> dict[str, int]:
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "params": nbytes(self.shard) + nbytes(self.full),
+            "grads": nbytes(self.grad_shard) + nbytes(self.host_grad),
+            "master_params": 0 if self.master is self.shard else nbytes(self.master),
+        }
+
+
+def owning_flat(param: nn.Parameter) -> ShardedFlat | None:
+    """The :class:`ShardedFlat` that manages ``param``, or None for an ordinary parameter."""
+    return getattr(param, "_ss_flat", None)
+
+
+# -- units and the fetch/release coordinator ------------------------------------------------
+class ZeroOrderError(RuntimeError):
+    """Ranks issued ZeRO-3 collectives for different units (their module order diverged)."""
+
+
+class Unit:
+    """A module whose sharded parameters are gathered and released together."""
+
+    def __init__(self, unit_id: int, name: str, module: nn.Module, is_root: bool) -> None:
+        self.id = unit_id
+        self.name = name or "<root>"
+        self.module = module
+        self.is_root = is_root
+        self.flats: list[ShardedFlat] = []
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel for f in self.flats)
+
+    def available(self) -> bool:
+        return all(f.status is ZeroParamStatus.AVAILABLE for f in self.flats)
+
+
+class OrderCheck:
+    """Cross-rank check that every rank is about to run the same ZeRO-3 collective.
+
+    One tiny all-reduce (max of ``[code, -code]``) before each gather/reduction: if all
+    ranks agree the collectives that follow match; otherwise every rank raises
+    :class:`ZeroOrderError` at the same point instead of hanging in mismatched collectives.
+    """
+
+    def __init__(self, dp_group: object | None, world: int, device: torch.device, enabled: bool):
+        self.dp_group = dp_group
+        self.enabled = enabled and world > 1
+        self.device = device
+
+    def __call__(self, code: int, what: str) -> None:
+        if not self.enabled:
+            return
+        t = torch.tensor([code, -code], dtype=torch.int64, device=self.device)
+        comm.all_reduce(t, op=comm.ReduceOp.MAX, group=self.dp_group)
+        hi, lo = int(t[0]), -int(t[1])
+        if hi != code or lo != code:
+            raise ZeroOrderError(
+                f"ZeRO-3: ranks diverged: this rank is about to {what} (code {code}) while other "
+                f"ranks are at codes {lo}..{hi}. Every rank must run the same modules in the same "
+                "order (a data-dependent branch that skips a module on some ranks only is not "
+                "supported); run the module on every rank (e.g. multiply its output by 0) or "
+                "keep its parameters unsharded by raising "
+                "zero_optimization.stage3_param_persistence_threshold."
+            )
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class FetchCoordinator:
+    """Forward/backward hooks that gather units before use and release them after.
+
+    * root unit: gathered by the model's forward pre-hook, kept through backward
+      (tied weights such as ``wte``/``lm_head`` live there), released after the reduction;
+    * other units: gathered by their forward pre-hook (prefetching the next unit of the
+      previous forward's order), released by their forward post-hook; gathered again when
+      the gradient of their output arrives, released once their gradients are complete.
+    """
+
+    def __init__(self, units: list[Unit], check: OrderCheck, prefetch_numel: int) -> None:
+        self.units = units
+        self.root = units[0]
+        self.check = check
+        self.prefetch_numel = prefetch_numel
+        self.prev_order: list[int] = []
+        self.order: list[int] = []
+        self.prefetch_ok = True
+        self._handles: list[object] = []
+
+    def install(self) -> None:
+        root = self.root.module
+        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        self._handles.append(root.register_forward_hook(self._root_post))
+        for unit in self.units[1:]:
+            if not unit.flats:
+                continue
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post(unit)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()  # type: ignore[attr-defined]
+        self._handles = []
+
+    # -- primitives -----------------------------------------------------------------------
+    def fetch(self, unit: Unit, what: str = "gather") -> None:
+        if unit.available():
+            return
+        if all(f.status is ZeroParamStatus.NOT_AVAILABLE for f in unit.flats):
+            self.check(unit.id + 1, f"{what} unit {unit.name}")
+            for f in unit.flats:
+                f.start_gather()
+        for f in unit.flats:
+            f.wait_gather()
+
+    def prefetch(self, unit: Unit) -> None:
+        if not unit.flats or unit.numel > self.prefetch_numel:
+            return
+        if any(f.status is not ZeroParamStatus.NOT_AVAILABLE for f in unit.flats):
+            return
+        self.check(unit.id + 1, f"prefetch unit {unit.name}")
+        for f in unit.flats:
+            f.start_gather()
+
+    def release(self, unit: Unit) -> None:
+        for f in unit.flats:
+            if not f.persistent:
+                f.release()
+
+    def release_all(self, include_root: bool = True) -> None:
+        for unit in self.units:
+            if include_root or not unit.is_root:
+                self.release(unit)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _root_pre(self, module: nn.Module, args: object) -> None:
+        if not _in_backward():
+            self.order = []
+            self.prefetch_ok = True
+        self.fetch(self.root)
+        if not _in_backward() and self.prev_order:
+            self.prefetch(self.units[self.prev_order[0]])
+
+    def _root_post(self, module: nn.Module, args: object, output: object) -> None:
+        if not _in_backward():
+            self.prev_order = self.order
+        self.release_all(include_root=not torch.is_grad_enabled())
+
+    def _make_pre(self, unit: Unit):  # noqa: ANN202 - hook closure
+        def hook(module: nn.Module, args: object) -> None:
+            if _in_backward():  # e.g. activation-checkpoint recomputation
+                self.fetch(unit, "gather (recompute)")
+                return
+            pos = len(self.order)
+            self.order.append(unit.id)
+            prev = self.prev_order
+            if self.prefetch_ok and prev and (pos >= len(prev) or prev[pos] != unit.id):
+                from shardspeed.utils.logging import warning_once
+
+                warning_once(
+                    "ZeRO-3: module execution order changed between forward passes; prefetch "
+                    "falls back to on-demand gathering for the rest of this forward."
+                )
+                self.prefetch_ok = False
+            self.fetch(unit)
+            if self.prefetch_ok and pos + 1 < len(prev):
+                self.prefetch(self.units[prev[pos + 1]])
+
+        return hook
+
+    def _pre_backward(self, unit: Unit, before: Unit | None) -> None:
+        self.fetch(unit, "gather for backward")
+        if before is not None and not before.is_root:
+            self.prefetch(before)
+
+    def _make_post(self, unit: Unit):  # noqa: ANN202 - hook closure
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            if torch.is_grad_enabled():
+                leaves = torch.utils._pytree.tree_leaves(output)
+                tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+                if tensors:
+                    # the unit that ran just before this one is the next to need its params
+                    before = None
+                    order = self.order
+                    if not _in_backward() and self.prefetch_ok and len(order) > 1:
+                        if order[-1] == unit.id:
+                            before = self.units[order[-2]]
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda _grad: self._pre_backward(unit, before), mode="any"
+                    )
+            if not _in_backward():  # a recomputation's backward still needs the params
+                self.release(unit)
+
+        return hook

@@ -1,0 +1,414 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded over the dp group.
+
+Stage 3 is a policy of the same engine as stages 0-2 (FSDP2-like): the model is split
+into *units* (each element of an ``nn.ModuleList``/``nn.Sequential``, plus a root unit for
+the rest); each unit's parameters live as 1/N shards (:mod:`shardspeed.zero.params`),
+are all-gathered around the unit's forward and backward, and their gradients are
+reduce-scattered into fp32/grad shards at every micro-step. The optimizer step is the
+one of :class:`~shardspeed.zero.optimizer.ShardedOptimizer` over per-unit master shards,
+without the all-gather after the step: parameters are gathered again on next use.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed import comm
+from shardspeed.accelerator import get_accelerator
+from shardspeed.config import ShardSpeedConfig
+from shardspeed.precision.loss_scaler import build_loss_scaler
+from shardspeed.precision.policy import MixedPrecision
+from shardspeed.runtime.engine import ShardSpeedEngine
+from shardspeed.runtime.memory import optimizer_state_bytes
+from shardspeed.runtime.reporting import StepReporter
+from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
+from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.zero.offload import OffloadPolicy
+from shardspeed.zero.optimizer import ShardedOptimizer
+from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
+
+logger = get_logger(__name__)
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+PERSISTENT_CODE = 1_000_000
+
+
+def split_units(model: nn.Module) -> list[Unit]:
+    """Root unit first, then every parameter-owning child of a ModuleList/Sequential."""
+    units = [Unit(0, "", model, is_root=True)]
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(module, _CONTAINERS) and any(True for _ in child.parameters()):
+                units.append(Unit(len(units), full, child, is_root=False))
+            else:
+                visit(full, child)
+
+    visit("", model)
+    return units
+
+
+def assign_params(model: nn.Module, units: list[Unit]) -> dict[int, int]:
+    """id(param) -> unit index; parameters used by modules of several units go to the root."""
+    module_unit = {id(u.module): u.id for u in units}
+    owners: dict[int, set[int]] = {}
+
+    def visit(module: nn.Module, unit_id: int) -> None:
+        unit_id = module_unit.get(id(module), unit_id)
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(unit_id)
+        for p in getattr(module, "_ss_external_params", {}).values():
+            owners.setdefault(id(p), set()).add(0)
+        for child in module.children():
+            visit(child, unit_id)
+
+    visit(model, 0)
+    return {pid: (next(iter(us)) if len(us) == 1 else 0) for pid, us in owners.items()}
+
+
+class Stage3Group:
+    """One optimizer param group as ShardedOptimizer sees it: one "bucket" per flat."""
+
+    def __init__(self, flats: list[ShardedFlat]) -> None:
+        self.flats = flats
+
+    @property
+    def buckets(self) -> list[ShardedFlat]:
+        return self.flats
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [f.master for f in self.flats]
+
+    def shard_grad(self, flat: ShardedFlat) -> torch.Tensor:
+        return flat.optimizer_grad()
+
+    def param_shard(self, flat: ShardedFlat) -> torch.Tensor:
+        return flat.shard
+
+    def zero_grads(self) -> None:
+        for f in self.flats:
+            f.grad_shard.zero_()
+
+    def copy_masters_to_params(self) -> None:
+        for f in self.flats:
+            f.copy_master_to_shard()
+
+
+class Stage3Reducer:
+    """Reduce-scatters each flat's gradients into its grad shard at every micro-step.
+
+    Flats launch in one fixed order on every rank (deepest unit first, root, then the
+    persistent flats); a flat whose gradients are complete waits for earlier ones.
+    ``flush()`` launches the rest (missing gradients count as zeros), waits, accumulates
+    and releases every gathered unit.
+    """
+
+    def __init__(
+        self,
+        units: list[Unit],
+        persistent: list[ShardedFlat],
+        coordinator: FetchCoordinator,
+        *,
+        check: OrderCheck,
+        dp_group: object | None,
+        world: int,
+        reduce_dtype: torch.dtype,
+        pre_factor: float,
+    ) -> None:
+        self.units = units
+        self.coordinator = coordinator
+        self.check = check
+        self.dp_group = dp_group
+        self.world = world
+        self.reduce_dtype = reduce_dtype
+        self.pre_factor = pre_factor
+        self.post_factor = world / pre_factor
+        self.sync_enabled = True
+        self.order = [f for u in reversed(units) for f in u.flats] + persistent
+        self.index = {id(f): i for i, f in enumerate(self.order)}
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for f in self.order
+            for p in f.params
+        ]
+        self.dirty = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.seen: list[set[int]] = [set() for _ in self.order]
+        self.ready = [False] * len(self.order)
+        self.next_launch = 0
+        self.in_flight: list[tuple[ShardedFlat, torch.Tensor, object | None]] = []
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        flat: ShardedFlat = param._ss_flat  # noqa: SLF001
+        i = self.index[id(flat)]
+        self.dirty = True
+        self.seen[i].add(id(param))
+        if len(self.seen[i]) < len(flat.params):
+            return
+        self.ready[i] = True
+        if flat.unit_id > 0:
+            unit = self.units[flat.unit_id]
+            if all(self.ready[self.index[id(f)]] for f in unit.flats):
+                self.coordinator.release(unit)  # its backward is over
+        while self.next_launch < len(self.order) and self.ready[self.next_launch]:
+            self._launch(self.next_launch)
+
+    @torch.no_grad()
+    def _launch(self, i: int) -> None:
+        flat = self.order[i]
+        self.next_launch = i + 1
+        self.check(-(i + 1), f"reduce-scatter the gradients of flat {i} (unit {flat.unit_id})")
+        buf = torch.empty(flat.numel, dtype=self.reduce_dtype, device=flat.device)
+        flat.pack_grads(buf)
+        if self.pre_factor != 1.0:
+            buf.div_(self.pre_factor)
+        if self.world == 1:
+            out, work = buf, None
+        else:
+            out = torch.empty(flat.shard.numel(), dtype=self.reduce_dtype, device=buf.device)
+            work = comm.reduce_scatter_tensor(out, buf, group=self.dp_group, async_op=True)
+        self.in_flight.append((flat, out, work))
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """Finish this micro-step's reduction (once), then release the gathered units."""
+        if not self.dirty:
+            return
+        while self.next_launch < len(self.order):
+            self._launch(self.next_launch)
+        for flat, out, work in self.in_flight:
+            if work is not None:
+                work.wait()  # type: ignore[attr-defined]
+            if self.post_factor != 1.0:
+                out.div_(self.post_factor)
+            flat.grad_shard.add_(out)
+        self._reset()
+        self.dirty = False
+        self.coordinator.release_all()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class Stage3Optimizer(ShardedOptimizer):
+    """ShardedOptimizer over per-unit master shards; no all-gather after the step."""
+
+    persistent: list[ShardedFlat]
+    coordinator: FetchCoordinator
+    check: OrderCheck
+    device: torch.device
+
+    def _publish_params(self) -> None:
+        for group in self.groups:
+            group.copy_masters_to_params()
+        self.coordinator.release_all()  # stale full buffers; gathered again on next use
+        for i, flat in enumerate(self.persistent):
+            flat.release()
+            self.check(-(PERSISTENT_CODE + i), f"gather persistent flat {i}")
+            flat.gather()
+
+    def _global_grad_norm(self) -> float:
+        grads = self.master_grads()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            sq += torch.stack([n.float() for n in norms]).pow(2).sum().to(self.device)
+        if self.dp_world_size > 1:
+            comm.all_reduce(sq, group=self.dp_group)
+        return float(sq.sqrt())
+
+
+class Stage3Engine(ShardSpeedEngine):
+    """ZeRO stage 3 engine: same surface as :class:`ShardSpeedEngine`, parameters sharded."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardSpeedConfig,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+        dp_group: Any = None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.module = model
+        self._config = config
+        self.config = config.raw
+        self.mpu = mpu
+        self.local_rank = comm.get_local_rank()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_group = dp_group
+        self.dp_world_size = comm.get_world_size(group=dp_group)
+        self.dp_rank = comm.get_rank(group=dp_group)
+        self.mp_world_size = self.world_size // self.dp_world_size
+        self.device = get_accelerator().device(self.local_rank)
+        self.precision = MixedPrecision.from_config(config)
+        self.stage = 3
+        zc = config.zero_optimization
+        self.offload = OffloadPolicy.from_zero_config(zc)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._last_step = None
+        self._in_no_sync = False
+
+        cast_module(model, self.device, self.precision.param_dtype)
+        groups = collect_param_groups(model, optimizer, model_parameters)
+        self.units = split_units(model)
+        self.persistent_flats: list[ShardedFlat] = []
+        self.flat_groups = self._build_flats(groups, model)
+        self.basic_optimizer = rebind_optimizer(
+            optimizer, config.optimizer, groups, [g.masters for g in self.flat_groups]
+        )
+        self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+        check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
+        self.order_check = OrderCheck(dp_group, self.dp_world_size, self.device, check_on)
+        self.coordinator = FetchCoordinator(
+            self.units, self.order_check, int(zc.stage3_prefetch_bucket_size)
+        )
+        self.coordinator.install()
+        pre = config.gradient_predivide_factor if config.prescale_gradients else 1.0
+        self.reducer = Stage3Reducer(
+            self.units,
+            self.persistent_flats,
+            self.coordinator,
+            check=self.order_check,
+            dp_group=dp_group,
+            world=self.dp_world_size,
+            reduce_dtype=self.precision.reduce_dtype,
+            pre_factor=pre,
+        )
+        self.optimizer = None
+        if self.basic_optimizer is not None:
+            self._check_optimizer_supported(self.basic_optimizer)
+            opt = Stage3Optimizer(
+                self.basic_optimizer,
+                self.flat_groups,  # type: ignore[arg-type]
+                self.reducer,  # type: ignore[arg-type]
+                stage=3,
+                dp_group=dp_group,
+                dp_world_size=self.dp_world_size,
+                loss_scaler=self.loss_scaler,
+                gradient_clipping=config.gradient_clipping,
+                check_overflow=self._checks_overflow(),
+            )
+            opt.persistent = self.persistent_flats
+            opt.coordinator = self.coordinator
+            opt.check = self.order_check
+            opt.device = self.device
+            self.optimizer = opt
+        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+        self.training_dataloader = None
+        self.reporter = StepReporter(self)
+        n_params = sum(p.ds_numel for g in groups for p in g["params"])
+        log_dist(
+            f"ShardSpeed engine: ZeRO stage 3, dp={self.dp_world_size}, "
+            f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats, "
+            f"param dtype {self.precision.param_dtype}, {n_params:,} trainable parameters, "
+            f"optimizer offload {'cpu' if self.offload.optimizer else 'off'}"
+        )
+
+    def _build_flats(self, groups: list[dict[str, Any]], model: nn.Module) -> list[Stage3Group]:
+        zc = self._config.zero_optimization
+        p = self.precision
+        owner = assign_params(model, self.units)
+        threshold = int(zc.stage3_param_persistence_threshold)
+        budget = int(zc.stage3_model_persistence_threshold)
+        common = {
+            "dp_group": self.dp_group,
+            "world": self.dp_world_size,
+            "rank": self.dp_rank,
+            "param_dtype": p.param_dtype,
+            "grad_dtype": p.grad_dtype(self._config.gradient_accumulation_steps),
+            "master_dtype": p.master_dtype,
+            "device": self.device,
+            "offload": self.offload.optimizer,
+            "pin_memory": self.offload.pin_memory,
+        }
+        next_id = 0
+        out = []
+        for g in groups:
+            per_unit: list[list[nn.Parameter]] = [[] for _ in self.units]
+            keep: list[nn.Parameter] = []
+            for param in g["params"]:
+                if param.numel() < threshold and param.numel() <= budget:
+                    budget -= param.numel()
+                    keep.append(param)
+                else:
+                    per_unit[owner.get(id(param), 0)].append(param)
+            flats = []
+            for unit, params in zip(self.units, per_unit):
+                if params:
+                    flat = ShardedFlat(
+                        params, unit_id=unit.id, first_param_id=next_id, persistent=False, **common
+                    )
+                    unit.flats.append(flat)
+                    flats.append(flat)
+                    next_id += len(params)
+            if keep:
+                flat = ShardedFlat(
+                    keep, unit_id=-1, first_param_id=next_id, persistent=True, **common
+                )
+                self.persistent_flats.append(flat)
+                flats.append(flat)
+                next_id += len(keep)
+            out.append(Stage3Group(flats))
+        return out
+
+    # -- queries -----------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes on this rank: params (shards + gathered/persistent), grads, master_params,
+        optimizer_state, buffers, total. With optimizer offload, master_params and
+        optimizer_state are host bytes."""
+        out = {"params": 0, "grads": 0, "master_params": 0}
+        managed = set()
+        for group in self.flat_groups:
+            for flat in group.flats:
+                managed.update(id(q) for q in flat.params)
+                for key, value in flat.storage_bytes().items():
+                    out[key] += value
+        seen: set[int] = set()
+        for q in self.module.parameters():
+            if id(q) not in managed and id(q) not in seen:
+                seen.add(id(q))
+                out["params"] += q.numel() * q.element_size()  # frozen, replicated
+        out["optimizer_state"] = optimizer_state_bytes(self.basic_optimizer)
+        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        out["total"] = sum(out.values())
+        return out
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """The full (gathered) module state dict, on every rank (a collective call)."""
+        from shardspeed.zero.init import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters())):
+            state = self.module.state_dict(*args, **kwargs)
+            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load a full state dict (every rank passes the same one); updates shards and masters."""
+        from shardspeed.zero.init import GatheredParameters
+
+        with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    def destroy(self) -> None:
+        """Remove hooks and drop references."""
+        self.reducer.remove_hooks()
+        self.coordinator.remove()
+        self.reporter.close()
