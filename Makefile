@@ -40,9 +40,11 @@ demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py
 
 # DeepSpeed lives in its own venv: a peer for benchmarks, never a dependency of the library.
-$(PEERS_VENV)/.installed: pyproject.toml
+# deepspeed does not pin torch: pin the peers' torch to the build .venv uses, so every
+# benchmark row runs on the same torch.
+$(PEERS_VENV)/.installed: pyproject.toml $(STAMP)
 	$(PY) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip install -q -e '.[test,peers]'
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[test,peers]' "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)')"
 	touch $(PEERS_VENV)/.installed
 
 bench-peers: $(PEERS_VENV)/.installed

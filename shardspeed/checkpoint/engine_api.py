@@ -191,7 +191,10 @@ def load_checkpoint(
     load_fragments(
         engine, reader, manifest, optimizer_states=optimizer_states, strict=load_module_strict
     )
-    if engine.optimizer is not None:
+    publish = getattr(engine, "checkpoint_publish_params", None)  # ZeRO-3 engine hook
+    if publish is not None:
+        publish()
+    elif engine.optimizer is not None:
         engine.optimizer._publish_params()  # stage-aware (a ZeRO-3 optimizer overrides it)
     else:
         _publish(engine)
@@ -238,14 +241,31 @@ def save_16bit_model(
     save_filename: str = "pytorch_model.bin",
     exclude_frozen_parameters: bool = False,
 ) -> bool:
-    """Write the full model in its training dtype on rank 0 (``.safetensors`` or torch.save)."""
+    """Write the full model in its training dtype on rank 0 (``.safetensors`` or torch.save).
+
+    At ZeRO stage 3 every rank must call it: the parameters are gathered first, and only if
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true; otherwise
+    nothing is written and False is returned (with a warning), as in DeepSpeed.
+    """
     path = Path(save_dir) / save_filename
+    full: dict[str, Any] | None = None
+    if getattr(engine, "stage", 0) == 3:
+        if not engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            logger.warning(
+                "save_16bit_model: ZeRO stage 3 keeps only parameter shards and "
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so "
+                f"nothing was written to {path}. Set it to true to gather the full weights, or "
+                "save a checkpoint and convert it with get_fp32_state_dict_from_checkpoint."
+            )
+            return False
+        full = engine.state_dict()  # collective: gathers every sharded parameter
     if _rank() == 0:
         trainable = trainable_ids(engine)
         frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
+        source = full if full is not None else engine.module.state_dict()
         state = {
             k: v.detach().to("cpu", copy=True).contiguous()
-            for k, v in engine.module.state_dict().items()
+            for k, v in source.items()
             if not (exclude_frozen_parameters and k in frozen)
         }
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,8 +4,11 @@ Every trainable parameter is stored as the fragments its owners hold (one per ow
 flattened), named by parameter name, kind (``master`` or an optimizer state key such as
 ``exp_avg``) and the element range [start, end) of the flattened parameter. Loading maps
 this rank's fragments of the *new* layout (:func:`param_shard_fragments`) onto the stored
-ranges, so any world size and any stage 0-2 loads any other. A stage-3 engine plugs in by
-exposing the same ``flat_groups`` (params, layout, masters, shard_rank).
+ranges, so any world size and any stage 0-3 loads any other. The ZeRO-3 engine plugs in
+through ``checkpoint_master_fragments()`` (its fragments, see
+:mod:`shardspeed.zero.stage3_checkpoint`) and ``checkpoint_publish_params()`` (called by
+the load instead of the optimizer's ``_publish_params``); its ``flat_groups`` only need
+``masters``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ without the all-gather after the step: parameters are gathered again on next use
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -406,6 +407,19 @@ class Stage3Engine(ShardSpeedEngine):
 
         with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
             return self.module.load_state_dict(state_dict, strict=strict)
+
+    # -- checkpoint hooks (see shardspeed.checkpoint.shards) ---------------------------------
+    def checkpoint_master_fragments(self) -> Iterator[Any]:
+        """This rank's master fragments of every sharded flat (checkpoint save/load hook)."""
+        from shardspeed.zero.stage3_checkpoint import stage3_master_fragments
+
+        return stage3_master_fragments(self)
+
+    def checkpoint_publish_params(self) -> None:
+        """Refresh parameter shards (and persistent gathered copies) from the masters."""
+        from shardspeed.zero.stage3_checkpoint import stage3_publish_params
+
+        stage3_publish_params(self)
 
     def destroy(self) -> None:
         """Remove hooks and drop references."""
