@@ -120,11 +120,6 @@ def main(argv: list[str]) -> int:
         if args.chat_template is not None:
             with open(args.chat_template, encoding="utf-8") as f:
                 chat_template = f.read()
-        tokenizer = None
-        if args.tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         serve(
             args.model,
             host=args.host,
@@ -134,7 +129,7 @@ def main(argv: list[str]) -> int:
             max_tokens_limit=args.max_tokens_limit,
             max_request_bytes=args.max_request_bytes,
             model_name=args.model_name,
-            tokenizer=tokenizer,
+            tokenizer=args.tokenizer,
             chat_template=chat_template,
             log_level=args.log_level,
             **engine_config,
@@ -142,6 +137,6 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as err:
         sys.stderr.write(f"shardspeed serve: error: {err}\n")
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+        return 0
     return 0
