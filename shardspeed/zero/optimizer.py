@@ -123,7 +123,8 @@ class ShardedOptimizer:
             norms = torch._foreach_norm(grads, 2.0)
             sq = torch.stack([n.float() for n in norms]).pow(2).sum()
         else:
-            sq = torch.zeros((), dtype=torch.float32)
+            device = self.groups[0].device if self.groups else torch.device("cpu")
+            sq = torch.zeros((), dtype=torch.float32, device=device)
         if self.stage >= 1 and self.dp_world_size > 1:
             comm.all_reduce(sq, group=self.dp_group)
         return float(sq.sqrt())

@@ -1,0 +1,339 @@
+"""``PipelineEngine``: DeepSpeed's pipeline engine on top of the sharding engine.
+
+The engine is a :class:`ShardSpeedEngine` over *this stage's* layers with the topology's
+data-parallel group, so ZeRO-1 sharding, mixed precision, loss scaling, clipping and the
+LR schedule are the sharding engine's own code. What it adds:
+
+* ``train_batch`` runs the schedule's instructions (:mod:`.schedule`) through an
+  :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps`` micro-batches,
+  gradient reduction switched off (``reducer.sync_enabled = False``) until the end;
+* at the end of the batch: ``ReduceTiedGrads`` (sum tied weights over their tie
+  group), ``ReduceGrads`` (one data-parallel reduction for the whole batch), and
+  ``OptimizerStep`` (the sharded optimizer, whose grad norm also spans the pipe group);
+* the batch loss is averaged on the last stage and broadcast to every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from shardspeed import comm
+from shardspeed.accelerator import get_accelerator
+from shardspeed.config import ShardSpeedConfig, load_config
+from shardspeed.parallel.pipeline.executor import ScheduleExecutor
+from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads, ReduceTiedGrads
+from shardspeed.parallel.pipeline.module import PipelineModule
+from shardspeed.parallel.pipeline.optimizer import PipelineShardedOptimizer
+from shardspeed.parallel.pipeline.p2p import StageLink
+from shardspeed.parallel.pipeline.schedule import build_schedule, check_schedule_args
+from shardspeed.parallel.pipeline.tied import TiedWeights
+from shardspeed.runtime.engine import ShardSpeedEngine
+from shardspeed.topology import Topology
+from shardspeed.utils.logging import get_logger, log_dist
+
+logger = get_logger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A call that a pipeline engine does not support (``forward``/``backward``/``step``)."""
+
+
+def _ensure_groups(topology: Topology) -> None:
+    try:
+        topology.group("pipe")
+    except RuntimeError:
+        topology.create_groups()
+
+
+class PipelineEngine(ShardSpeedEngine):
+    """Trains a :class:`PipelineModule` with ``train_batch`` (DeepSpeed's ``PipelineEngine``)."""
+
+    def __init__(
+        self,
+        model: PipelineModule,
+        config: ShardSpeedConfig,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        mpu: Any = None,
+    ) -> None:
+        if mpu is not None:
+            raise ValueError(
+                "initialize(mpu=...) cannot be combined with a PipelineModule: the module's "
+                "topology defines the groups. Pass topology=PipeModelDataParallelTopology(...) "
+                "to PipelineModule instead of an mpu."
+            )
+        stage = config.zero_optimization.stage
+        if stage > 1:
+            raise ValueError(
+                f"zero_optimization.stage={stage} is not supported with pipeline parallelism "
+                "(gradients are accumulated over the micro-batches of a batch); use stage 0 "
+                "or 1."
+            )
+        topology = model.shard_topology
+        _ensure_groups(topology)
+        check_schedule_args(
+            model.schedule, config.gradient_accumulation_steps, topology.pp, model.virtual_stages
+        )
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"pipeline stage {topology.stage_id} holds no trainable parameters (layers "
+                f"{model.stage_layer_indices()}); choose a partition_method that gives every "
+                "stage a layer with parameters."
+            )
+        # Tied copies must agree before the engine copies them into flat buffers/masters.
+        model.to(get_accelerator().device(comm.get_local_rank()))
+        ties = TiedWeights(model.tied_parameters(), model.tie_owners(), topology)
+        ties.broadcast_weights()
+
+        super().__init__(
+            model,
+            config,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            dp_group=topology.group("data"),
+        )
+        self.topology = topology
+        self.ties = ties
+        self.stage_id = topology.stage_id
+        self.num_stages = topology.pp
+        self.pipe_group = topology.group("pipe")
+        self.micro_batches = config.gradient_accumulation_steps
+        self.schedule_kind = model.schedule
+        self.virtual_stages = model.virtual_stages
+        if self.optimizer is not None:
+            self.optimizer = self._pipeline_optimizer()
+        self.reducer.sync_enabled = False  # reduce once per batch, in ReduceGrads
+        self.link = StageLink(
+            [topology.stage_rank(s) for s in range(self.num_stages)],
+            self.device,
+            dynamic_shape=model.dynamic_shape,
+        )
+        self.executor = ScheduleExecutor(
+            model,
+            self.link,
+            device=self.device,
+            input_dtype=self.precision.param_dtype,
+            scale_loss=self.scale,
+        )
+        self.data_iterator: Iterator[Any] | None = None
+        self.batch_fn: Callable[[Any], Any] | None = None
+        self.agg_train_loss: torch.Tensor | None = None
+        log_dist(
+            f"PipelineEngine: {self.num_stages} stages x dp {self.dp_world_size}, schedule "
+            f"{self.schedule_kind} (virtual stages {self.virtual_stages}), "
+            f"{self.micro_batches} micro-batches per batch"
+        )
+
+    def _pipeline_optimizer(self) -> PipelineShardedOptimizer:
+        """The sharded optimizer again, with the norm spanning the pipe group."""
+        return PipelineShardedOptimizer(
+            self.basic_optimizer,
+            self.flat_groups,
+            self.reducer,
+            stage=self.stage,
+            dp_group=self.dp_group,
+            dp_world_size=self.dp_world_size,
+            loss_scaler=self.loss_scaler,
+            gradient_clipping=self._config.gradient_clipping,
+            check_overflow=self._checks_overflow(),
+            norm_groups=[self.pipe_group] if self.num_stages > 1 else [],
+            replicated=self.module.replicated_parameters(),
+        )
+
+    # -- DeepSpeed's pipeline surface ----------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        """The iterator ``train_batch`` draws ``(inputs, labels)`` micro-batches from."""
+        self.data_iterator = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to every item the data iterator yields."""
+        self.batch_fn = fn
+
+    def reset_activation_shape(self) -> None:
+        """Renegotiate activation shapes on the next micro-batch (call on every rank)."""
+        self.link.reset_shapes()
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
+
+        Returns the mean loss of the global batch (the same value on every stage).
+        """
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        self.module.train()
+        self.agg_train_loss = None
+        schedule = build_schedule(
+            self.schedule_kind,
+            self.micro_batches,
+            self.num_stages,
+            self.stage_id,
+            self.virtual_stages,
+        )
+        try:
+            self.executor.run(
+                schedule,
+                self.data_iterator,
+                batch_fn=self.batch_fn,
+                handlers={
+                    ReduceTiedGrads: self._reduce_tied_grads,
+                    ReduceGrads: self._reduce_grads,
+                    OptimizerStep: self._optimizer_step,
+                },
+            )
+        finally:  # micro-batches of the next batch accumulate without reducing again
+            self.reducer.sync_enabled = False
+            self._boundary_override = None
+        assert self.agg_train_loss is not None
+        return self.agg_train_loss
+
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any],
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> Any:
+        """Forward ``num_micro_batches`` (default GAS) micro-batches without gradients.
+
+        Returns the mean loss (``reduce_output='avg'``; broadcast to every stage when
+        ``bcast_loss``) or, with ``reduce_output=None``, the per-micro-batch losses on the
+        last stage. ``compute_loss=False`` returns the last stage's outputs per
+        micro-batch instead. ``return_logits=True`` returns ``(result, outputs)`` with the
+        last stage's per-micro-batch outputs (None on other stages).
+        """
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): allowed 'avg' or None.")
+        was_training = self.module.training
+        self.module.eval()
+        schedule = build_schedule(
+            self.schedule_kind,
+            num_micro_batches or self.micro_batches,
+            self.num_stages,
+            self.stage_id,
+            self.virtual_stages,
+            train=False,
+        )
+        self.link.reset_shapes()  # eval may use other shapes than training
+        try:
+            with torch.no_grad():
+                result = self.executor.run(
+                    schedule,
+                    data_iter,
+                    batch_fn=self.batch_fn,
+                    compute_loss=compute_loss,
+                    keep_outputs=return_logits,
+                )
+        finally:
+            self.link.reset_shapes()
+            self.module.train(was_training)
+        outputs = result.outputs if self.is_last_stage() else None
+        if not compute_loss:
+            output: Any = outputs
+        elif reduce_output is None:
+            output = result.losses if self.is_last_stage() else None
+        else:
+            output = self._aggregate_loss(result.losses, broadcast=bcast_loss)
+        return (output, outputs) if return_logits else output
+
+    # -- end-of-batch instructions --------------------------------------------------------
+    def _reduce_tied_grads(self) -> None:
+        self.ties.reduce_grads(self.flat_groups)
+
+    def _reduce_grads(self) -> None:
+        self.reducer.sync_enabled = True
+        self._boundary_override = True
+        self.reducer.flush()
+
+    def _optimizer_step(self) -> None:
+        self.agg_train_loss = self._aggregate_loss(self.executor.result.losses, broadcast=True)
+        self.reporter.record_loss(self.agg_train_loss)
+        self.micro_steps += self.micro_batches
+        self._take_optimizer_step({})
+
+    def _aggregate_loss(self, losses: list[torch.Tensor], broadcast: bool) -> torch.Tensor | None:
+        """Mean over micro-batches and data-parallel ranks, from the last stage."""
+        if self.is_last_stage():
+            loss = torch.stack(losses).mean().to(self.device)
+            if self.dp_world_size > 1:
+                comm.all_reduce(loss, group=self.dp_group)
+                loss /= self.dp_world_size
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.num_stages > 1 and broadcast:
+            src = self.topology.stage_rank(self.num_stages - 1)
+            comm.broadcast(loss, src=src, group=self.pipe_group)
+        elif not self.is_last_stage():
+            return None
+        return loss
+
+    # -- calls that make no sense on a pipeline --------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            "PipelineEngine.forward() is not supported: the pipeline runs whole batches. Call "
+            "engine.train_batch(data_iter) to train or engine.eval_batch(data_iter) to evaluate."
+        )
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            "PipelineEngine.backward() is not supported: engine.train_batch(data_iter) runs "
+            "forward, backward and the optimizer step for a whole batch."
+        )
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        raise PipelineError(
+            "PipelineEngine.step() is not supported: engine.train_batch(data_iter) already "
+            "takes the optimizer step at the end of each batch."
+        )
+
+
+def initialize_pipeline(
+    model: PipelineModule,
+    raw_config: Any,
+    *,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    training_data: Any = None,
+    collate_fn: Any = None,
+) -> tuple[PipelineEngine, Any, Any, Any]:
+    """``shardspeed.initialize`` for a ``PipelineModule``: ``(engine, optimizer, loader, sched)``."""
+    topology = model.shard_topology
+    cfg = load_config(raw_config, dp_world_size=topology.dp)
+    stages = cfg.pipeline.stages
+    if stages != "auto" and stages != topology.pp:
+        raise ValueError(
+            f"pipeline.stages={stages} in the config disagrees with the PipelineModule's "
+            f'{topology.pp} stages; set it to "auto" or {topology.pp}.'
+        )
+    engine = PipelineEngine(
+        model,
+        cfg,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+    )
+    dataloader = None
+    if training_data is not None:
+        from shardspeed.runtime.dataloader import RepeatingLoader
+
+        dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        engine.training_dataloader = dataloader
+        if engine.is_first_stage() or engine.is_last_stage():
+            engine.set_dataiterator(iter(RepeatingLoader(dataloader)))
+    return engine, engine.optimizer, dataloader, engine.lr_scheduler
