@@ -13,6 +13,11 @@ Stage policy:
 * stage 1: reduce-scatter each bucket at the boundary; this rank keeps its slice;
 * stage 2: reduce-scatter each bucket on every micro-step and accumulate the slice into
   the rank's gradient shard; the full gradients are freed immediately.
+
+On gloo, reduce-scatter costs about twice an all-reduce of the same buffer (measured: 19 ms
+vs 10 ms for 3.3M fp32 on 2 ranks), the opposite of NCCL. Stages 1/2 hold the full bucket
+anyway (the gradient buffer, or the staging copy), so on gloo the "scatter" is an in-place
+all-reduce from which the rank keeps its slice: same memory, half the time.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class _InFlight:
     group: FlatGroup
     bucket: BucketSpec
     work: object | None
-    buffer: torch.Tensor  # what was reduced (full bucket for stage 0, else the scattered slice)
+    buffer: torch.Tensor  # what was reduced: the full bucket, or only this rank's slice
+    full: bool  # buffer holds the whole (all-reduced) bucket
 
 
 class GradReducer:
@@ -62,6 +68,7 @@ class GradReducer:
         self.pre_factor = predivide_factor if prescale_gradients else 1.0
         self.post_factor = dp_world_size / self.pre_factor
         self.sync_enabled = True
+        self.scatter_via_all_reduce = _backend_of(dp_group) == "gloo"
         self.dirty = False  # a gradient arrived since the last completed reduction
 
         # One global launch order: the bucket holding the latest-registered parameters first.
@@ -130,14 +137,14 @@ class GradReducer:
         if self.pre_factor != 1.0:
             buf.div_(self.pre_factor)
         if self.dp_world_size == 1:
-            out, work = (buf if self.stage == 0 else buf.clone()), None
-        elif self.stage == 0:
-            out = buf
+            self.in_flight.append(_InFlight(group, bucket, None, buf, full=True))
+        elif self.stage == 0 or self.scatter_via_all_reduce:
             work = comm.all_reduce(buf, group=self.dp_group, async_op=True)
+            self.in_flight.append(_InFlight(group, bucket, work, buf, full=True))
         else:
             out = torch.empty(bucket.shard_numel, dtype=self.reduce_dtype, device=buf.device)
             work = comm.reduce_scatter_tensor(out, buf, group=self.dp_group, async_op=True)
-        self.in_flight.append(_InFlight(group, bucket, work, out))
+            self.in_flight.append(_InFlight(group, bucket, work, out, full=False))
 
     # -- completion ----------------------------------------------------------------------
     @torch.no_grad()
@@ -162,6 +169,9 @@ class GradReducer:
 
     def _finish(self, item: _InFlight) -> None:
         group, bucket, out = item.group, item.bucket, item.buffer
+        if item.full and self.stage >= 1:  # keep only this rank's slice of the bucket
+            lo, hi = bucket.shard_range(group.shard_rank)
+            out = out[lo - bucket.start : hi - bucket.start]
         if self.post_factor != 1.0:
             out.div_(self.post_factor)
         if self.stage == 0:
@@ -169,7 +179,9 @@ class GradReducer:
             if dst.data_ptr() != out.data_ptr():
                 dst.copy_(out)
         elif group.flat_grad is not None:  # stage 1: keep our slice in the full buffer
-            group.shard_grad(bucket).copy_(out)
+            dst = group.shard_grad(bucket)
+            if dst.data_ptr() != out.data_ptr():
+                dst.copy_(out)
         else:  # stage 2: accumulate into the shard across micro-steps
             group.shard_grad(bucket).add_(out)
 
@@ -177,3 +189,15 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _backend_of(group: object | None) -> str:
+    """Name of the collective backend of ``group`` ("gloo", "nccl", ...), or "" if unknown."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return ""
