@@ -107,6 +107,10 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 check_overflow=self._checks_overflow(),
             )
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+        if "activation_checkpointing" in config.raw:
+            from shardspeed.runtime import activation_checkpointing
+
+            activation_checkpointing.configure(mpu, deepspeed_config=config)
         self.training_dataloader = None
         self.reporter = StepReporter(self)
         log_dist(

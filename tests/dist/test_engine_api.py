@@ -237,3 +237,23 @@ def test_add_config_arguments() -> None:
     ns = parser.parse_args(["--deepspeed", "--deepspeed_config", "cfg.json"])
     assert ns.deepspeed and ns.deepspeed_config == "cfg.json"
     assert os.path.basename(ns.deepspeed_config) == "cfg.json"
+
+
+def _activation_checkpointing_config() -> dict:
+    from shardspeed import checkpointing
+
+    checkpointing.reset()
+    shardspeed.initialize(
+        model=_model(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "activation_checkpointing": {"cpu_checkpointing": True},
+        },
+    )
+    return {"configured": checkpointing.is_configured(), "settings": str(checkpointing.settings())}
+
+
+def test_engine_applies_activation_checkpointing_block() -> None:
+    out = run_distributed(_activation_checkpointing_config, 2)[0]
+    assert out["configured"] and "cpu_checkpointing=True" in out["settings"]
