@@ -1,0 +1,337 @@
+"""The OpenAI-compatible ASGI app (Starlette): routes, validation, errors.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
+(these three need the API key when one is set), ``GET /health``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from shardspeed.inference.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from shardspeed.inference.serving.chat import render_chat_prompt
+from shardspeed.inference.serving.errors import APIError, api_error_from, from_validation_error
+from shardspeed.inference.serving.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    Usage,
+    _SamplingFields,
+    dump,
+)
+from shardspeed.inference.serving.sse import event_stream, finish_reason, gather_or_cancel
+from shardspeed.inference.serving.text_stream import truncate_at_stop
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+M = TypeVar("M", bound=BaseModel)
+_DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class ServerSettings:
+    """Server-side limits and identity (see :func:`~.server.serve` for each one)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_tokens_limit: int = 4096
+    max_request_bytes: int = 1_000_000
+    default_chat_max_tokens: int = 128
+    chat_template: str | None = None
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class OpenAIServing:
+    """Request handlers bound to one :class:`AsyncEngine`."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+
+    # ---- plain routes ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "detail": "engine stopped"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.engine.metrics.render(queue_depth=self.engine.queue_depth)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        self._check_auth(request)
+        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.model_name)]).model_dump())
+
+    # ---- generation routes ----------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        req = self._parse(CompletionRequest, await self._read_json(request))
+        self._check_model(req.model)
+        prompts = req.prompt_list()
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "prompt: must be a non-empty string or token list", param="prompt")
+        params = self._sampling_params(req, req.max_tokens, "max_tokens")
+        return await self._generate(request, req, prompts, params, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._check_auth(request)
+        req = self._parse(ChatCompletionRequest, await self._read_json(request))
+        self._check_model(req.model)
+        default = min(self.settings.default_chat_max_tokens, self.settings.max_tokens_limit)
+        max_tokens = req.max_completion_tokens or req.max_tokens or default
+        param_name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        params = self._sampling_params(req, max_tokens, param_name)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = render_chat_prompt(
+                messages, self.engine.engine.tokenizer, self.settings.chat_template
+            )
+        except Exception as exc:  # a template that rejects the conversation
+            raise APIError(
+                400, f"messages: the chat template failed: {exc}", param="messages"
+            ) from exc
+        return await self._generate(request, req, [prompt], params, chat=True)
+
+    async def _generate(
+        self, request: Request, req: _SamplingFields, prompts: list[Any], params: Any, chat: bool
+    ) -> Response:
+        streams = self._submit_all(prompts, params)
+        try:
+            firsts = await self._until_disconnect(
+                request, gather_or_cancel([self._next(s) for s in streams])
+            )
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        if req.stream:
+            events = event_stream(
+                self.settings.model_name, rid, streams, firsts, req.stop_list(), include_usage, chat
+            )
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            finals = await self._until_disconnect(
+                request,
+                gather_or_cancel([self._last(s, f) for s, f in zip(streams, firsts, strict=True)]),
+            )
+        finally:
+            for s in streams:
+                s.abort()
+        usage = Usage()
+        texts = []
+        for out in finals:
+            usage.add(len(out.prompt_token_ids), len(out.output_token_ids))
+            texts.append(truncate_at_stop(out.text, req.stop_list())[0])
+        if chat:
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=ResponseMessage(content=t),
+                    finish_reason=finish_reason(o.finish_reason),
+                )
+                for i, (t, o) in enumerate(zip(texts, finals, strict=True))
+            ]
+            body: BaseModel = ChatCompletionResponse(
+                id=rid, model=self.settings.model_name, choices=choices, usage=usage
+            )
+        else:
+            choices_c = [
+                CompletionChoice(index=i, text=t, finish_reason=finish_reason(o.finish_reason))
+                for i, (t, o) in enumerate(zip(texts, finals, strict=True))
+            ]
+            body = CompletionResponse(
+                id=rid, model=self.settings.model_name, choices=choices_c, usage=usage
+            )
+        return JSONResponse(dump(body))
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _submit_all(self, prompts: list[Any], params: Any) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                streams.append(self.engine.submit(prompt, params))
+        except BaseException as exc:
+            for s in streams:
+                s.abort()
+            raise api_error_from(exc) from exc
+        return streams
+
+    @staticmethod
+    async def _next(stream: RequestStream) -> Any:
+        try:
+            return await stream.__anext__()
+        except (ValueError, EngineDeadError) as exc:
+            raise api_error_from(exc) from exc
+
+    @staticmethod
+    async def _last(stream: RequestStream, first: Any) -> Any:
+        out = first
+        while not out.finished:
+            out = await OpenAIServing._next(stream)
+        return out
+
+    async def _until_disconnect(self, request: Request, work: Awaitable[Any]) -> Any:
+        """Await ``work``, cancelling it (and raising _ClientGone) if the client leaves."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise _ClientGone()
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        ):
+            message = (
+                "Incorrect API key provided."
+                if header
+                else "Missing API key: send 'Authorization: Bearer <key>'."
+            )
+            raise APIError(
+                401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist; this server serves {self.settings.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.settings.max_request_bytes
+        too_large = APIError(
+            413, f"request body exceeds the server limit of {limit} bytes", code="request_too_large"
+        )
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
+
+    @staticmethod
+    def _parse(model: type[M], data: Any) -> M:
+        if not isinstance(data, dict):
+            raise APIError(400, f"the JSON body must be an object, got {type(data).__name__}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from exc
+
+    def _sampling_params(self, req: _SamplingFields, max_tokens: int, param: str) -> Any:
+        from shardspeed.inference.fastgen.sampling_params import SamplingParams
+
+        limit = self.settings.max_tokens_limit
+        if max_tokens > limit:
+            raise APIError(
+                400,
+                f"{param}={max_tokens} exceeds this server's limit of {limit}; send {param} <= {limit}.",
+                param=param,
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=0.0 if req.temperature < 1e-5 else req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            repetition_penalty=req.repetition_penalty,
+            seed=req.seed,
+            stop=req.stop_list(),
+            ignore_eos=req.ignore_eos,
+        )
+        try:
+            params.validate()
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+        return params
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings, own_engine: bool = True) -> Starlette:
+    """The ASGI app serving ``engine``; starts it on startup and, if ``own_engine``,
+    shuts it down on shutdown."""
+    serving = OpenAIServing(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            if own_engine:
+                await asyncio.to_thread(engine.shutdown)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        return api_error_from(exc).to_response()
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return APIError(exc.status_code, str(exc.detail), code=str(exc.status_code)).to_response()
+
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return api_error_from(exc).to_response()
+
+    routes = [
+        Route("/v1/completions", serving.completions, methods=["POST"]),
+        Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/models", serving.models, methods=["GET"]),
+        Route("/health", serving.health, methods=["GET"]),
+        Route("/metrics", serving.metrics, methods=["GET"]),
+    ]
+    handlers = {
+        APIError: on_api_error,
+        HTTPException: on_http_error,
+        _ClientGone: on_client_gone,
+        Exception: on_unexpected,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]

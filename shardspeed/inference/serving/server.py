@@ -1,0 +1,217 @@
+"""``serve()``: run the OpenAI-compatible server (uvicorn) in the foreground or a thread.
+
+::
+
+    serve("path/to/model", port=8000)                     # blocks until Ctrl-C
+    server = serve(model, port=0, block=False)            # background thread
+    print(server.base_url); server.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from shardspeed.inference.serving.app import ServerSettings, create_app
+from shardspeed.inference.serving.async_engine import AsyncEngine
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+def default_model_name(model_or_path: Any) -> str:
+    """The id ``/v1/models`` reports: the directory name for a path, else a class-based name."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return Path(model_or_path).name or str(model_or_path)
+    return "shardspeed-model"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class ServerThread:
+    """The uvicorn server of an ASGI app running in a daemon thread (tests, notebooks).
+
+    ``port=0`` binds a free port; :attr:`port` and :attr:`base_url` tell which.
+    """
+
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    ) -> None:
+        import uvicorn
+
+        self.host = host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(
+            app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._run, name="shardspeed-http", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        """Start serving and wait until the server accepts connections."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"the server failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the server did not start within {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until SIGINT/SIGTERM (uvicorn handles the signals)."""
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        finally:
+            self._sock.close()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask uvicorn to exit (this also shuts the engine down) and join the thread."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start() if not self._thread.is_alive() else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def build_app(
+    model_or_path: Any,
+    tokenizer: Any = None,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_tokens_limit: int = 4096,
+    max_request_bytes: int = 1_000_000,
+    model_name: str | None = None,
+    chat_template: str | None = None,
+    default_chat_max_tokens: int = 128,
+    **engine_config: Any,
+) -> Any:
+    """Load the engine and return the ASGI app :func:`serve` runs (arguments as there)."""
+    from shardspeed.inference.fastgen.engine import InferenceEngine
+
+    for name, value in (
+        ("max_tokens_limit", max_tokens_limit),
+        ("max_request_bytes", max_request_bytes),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"serve({name}={value!r}) is invalid: it must be an int >= 1.")
+    if isinstance(model_or_path, InferenceEngine):
+        if tokenizer is not None or engine_config:
+            raise ValueError(
+                "serve() got an InferenceEngine together with tokenizer/engine options; configure "
+                "the engine when you build it, or pass a model instead."
+            )
+        engine = model_or_path
+    else:
+        engine = InferenceEngine.from_pretrained(
+            model_or_path, tokenizer=tokenizer, **engine_config
+        )
+    if engine.tokenizer is None:
+        raise ValueError(
+            "serve() needs a tokenizer to turn text into tokens; pass tokenizer=... (e.g. "
+            "shardspeed.models.tokenizer.ByteTokenizer()) or a model directory that has one."
+        )
+    settings = ServerSettings(
+        model_name=model_name or default_model_name(model_or_path),
+        api_key=api_key,
+        max_tokens_limit=max_tokens_limit,
+        max_request_bytes=max_request_bytes,
+        default_chat_max_tokens=default_chat_max_tokens,
+        chat_template=chat_template,
+    )
+    return create_app(AsyncEngine(engine, max_queue=max_queue), settings)
+
+
+def serve(
+    model_or_path: Any,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_queue: int = 256,
+    max_tokens_limit: int = 4096,
+    max_request_bytes: int = 1_000_000,
+    model_name: str | None = None,
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+    block: bool = True,
+    log_level: str = "info",
+    **engine_config: Any,
+) -> ServerThread | None:
+    """Serve a model over an OpenAI-compatible HTTP API.
+
+    Args:
+        model_or_path: anything ``InferenceEngine.from_pretrained`` takes, or a built engine.
+        host: interface to bind; loopback by default. Binding another address without an
+            ``api_key`` logs a warning.
+        port: TCP port (0 picks a free one; see the returned thread's ``port``).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise).
+        max_queue: requests allowed to wait for their first token; more get HTTP 429.
+        max_tokens_limit: largest ``max_tokens`` a request may ask for (400 above it).
+        max_request_bytes: largest request body (413 above it).
+        model_name: the id in ``/v1/models`` and the only ``model`` requests may name
+            (404 otherwise); defaults to the directory name.
+        tokenizer: overrides the model's tokenizer.
+        chat_template: a Jinja chat template overriding the tokenizer's (HF tokenizers).
+        block: run in the foreground until interrupted (True) or return a started
+            :class:`ServerThread` (False).
+        engine_config: :class:`EngineConfig` fields (``block_size``, ``scheduler``, ...).
+    """
+    if api_key is None and not _is_loopback(host):
+        logger.warning(
+            "serving on %s without an api_key: anyone who can reach this address can use the "
+            "model; pass api_key=... (or --api-key) to require one",
+            host,
+        )
+    app = build_app(
+        model_or_path,
+        tokenizer=tokenizer,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_tokens_limit=max_tokens_limit,
+        max_request_bytes=max_request_bytes,
+        model_name=model_name,
+        chat_template=chat_template,
+        **engine_config,
+    )
+    server = ServerThread(app, host=host, port=port, log_level=log_level)
+    if not block:
+        return server.start()
+    logger.info("serving on %s (OpenAI-compatible API under /v1)", server.base_url)
+    server.serve_forever()
+    return None
