@@ -1,0 +1,239 @@
+"""Side-by-side training benchmark: one GPT workload through shardspeed and its peers.
+
+Rows (one ``torch.distributed.run`` launch each, run one after another):
+
+- torch: DDP (stage-0 peer), FSDP2 ``fully_shard`` with ``reshard_after_forward=False``
+  (stage-2 peer) and ``True`` (stage-3 peer);
+- deepspeed: ZeRO stages 0-3 (needs ``.venv-peers``: ``make bench-peers``);
+- shardspeed: ZeRO stages 0-3 through ``shardspeed.initialize`` and the same ds_config.
+
+Every row trains the same model (same seed), on the same token stream, with the same AdamW
+hyper-parameters and gradient clipping 1.0. The loss at step 1 must agree across rows; the
+script prints the largest difference as a check that the workloads are identical.
+
+Usage:
+    .venv-peers/bin/python benchmarks/train_bench.py --steps 10 --warmup 3
+    python benchmarks/train_bench.py --engines torch,shardspeed --stages 0,3 --json-out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import (  # noqa: E402
+    REPO_ROOT,
+    child_env,
+    default_python,
+    machine_description,
+    peers_python,
+    probe_python,
+    run_child,
+    torch_version,
+)
+from trainbench.report import print_report  # noqa: E402
+from trainbench.results import merge_rounds  # noqa: E402
+from trainbench.workload import add_workload_args  # noqa: E402
+
+ENGINE_GROUPS = ("torch", "deepspeed", "shardspeed")
+SHARDSPEED_PROBE = "import shardspeed; shardspeed.initialize; print('ok')"
+# DeepSpeed JIT-compiles C++ ops on first use and caches them under ~/.cache/torch_extensions
+# (TORCH_EXTENSIONS_DIR). On CPU its comm backend builds "deepspeed_shm_comm" inside
+# deepspeed.initialize (~70-90 s on 2 cores), and FusedAdam is a C++ op too. Building them
+# once before the timed launches keeps compile time out of the rows' init time.
+DS_PREWARM = """
+import time
+from deepspeed.accelerator import get_accelerator
+start = time.perf_counter()
+for name in {names!r}:
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible():
+        builder.load(verbose=False)
+print(f"{{time.perf_counter() - start:.1f}}")
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--engines",
+        default="torch,deepspeed,shardspeed",
+        help=f"comma-separated subset of {','.join(ENGINE_GROUPS)}",
+    )
+    p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks per launch (default: 2 on CPU, all GPUs)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")
+    p.add_argument("--python", default=None, help="interpreter for torch/shardspeed rows")
+    p.add_argument("--peers-python", default=None, help="interpreter with deepspeed installed")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="launch every row this many times, interleaved; step times are pooled",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument("--json-out", type=Path, default=None, help="write every result here")
+    p.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "train_bench")
+    p.add_argument("--markdown", action="store_true", help="print tables as markdown")
+    p.add_argument(
+        "--from-json", type=Path, default=None, help="re-print the report of a --json-out file"
+    )
+    add_workload_args(p)
+    # Child mode (set by the parent when it launches torch.distributed.run).
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    return args
+
+
+def plan_rows(engines: list[str], stages: list[int]) -> list[tuple[str, int]]:
+    """(engine, stage) launches in table order: per stage, torch peer, DeepSpeed, shardspeed."""
+    from trainbench.engines import TORCH_STAGE_ENGINES
+
+    rows: list[tuple[str, int]] = []
+    for stage in stages:
+        if "torch" in engines and stage in TORCH_STAGE_ENGINES:
+            rows.append((TORCH_STAGE_ENGINES[stage][0], stage))
+        if "deepspeed" in engines:
+            rows.append(("deepspeed", stage))
+        if "shardspeed" in engines:
+            rows.append(("shardspeed", stage))
+    return rows
+
+
+def workload_argv(args: argparse.Namespace) -> list[str]:
+    """The workload flags, forwarded verbatim to every child."""
+    flags = ["n_layer", "n_embd", "n_head", "block_size", "vocab_size", "micro_batch"]
+    flags += ["dtype", "steps", "warmup", "seed", "data_seed", "ds_optimizer", "ds_extra"]
+    out: list[str] = []
+    for name in flags:
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
+
+def launch_row(
+    args: argparse.Namespace, engine: str, stage: int, python: str, nproc: int
+) -> dict[str, Any]:
+    """Run one (engine, stage) launch and return its result object."""
+    from trainbench.engines import row_label
+
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [str(Path(__file__).resolve()), "--worker", "--engine", engine, "--stage", str(stage)]
+    cmd += ["--device", args.device, *workload_argv(args)]
+    log = args.log_dir / f"{engine}_z{stage}.log"
+    code, results, tail = run_child(cmd, child_env(args.threads, args.device), args.timeout, log)
+    base = {"engine": engine, "stage": stage, "label": row_label(engine, stage), "log": str(log)}
+    if results:
+        return {**base, **results[-1]}
+    return {**base, "status": "error", "error": f"exit code {code}; log {log}\n{tail}"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        from trainbench.worker import worker_main
+
+        return worker_main(args)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        print_report(saved["header"], saved["results"], markdown=args.markdown)
+        return 0
+
+    from tqdm import tqdm
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINE_GROUPS]
+    if bad:
+        raise SystemExit(f"--engines: unknown {bad}; choose from {','.join(ENGINE_GROUPS)}")
+    stages = [int(s) for s in args.stages.split(",") if s.strip()]
+    if any(s not in (0, 1, 2, 3) for s in stages):
+        raise SystemExit(f"--stages={args.stages!r}: stages must be in 0,1,2,3")
+    if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--rounds and --steps must be >= 1 and --warmup >= 0")
+    nproc = args.nproc or (2 if args.device == "cpu" else _cuda_count())
+    torch_python = args.python or default_python()
+    peers = args.peers_python or (str(peers_python()) if peers_python() else None)
+
+    skip: dict[str, str] = {}
+    if "deepspeed" in engines and peers is None:
+        skip["deepspeed"] = "deepspeed: .venv-peers missing (run `make bench-peers`)"
+    if "shardspeed" in engines:
+        ok, line = probe_python(torch_python, SHARDSPEED_PROBE)
+        if not ok:
+            skip["shardspeed"] = "shardspeed: not available yet"
+            print(f"shardspeed: not available yet ({line})")
+
+    if "deepspeed" in engines and "deepspeed" not in skip:
+        names = ["ShareMemCommBuilder"]
+        if args.ds_optimizer == "native":
+            names.append("FusedAdamBuilder")
+        print(f"building/loading DeepSpeed JIT ops {names} (cached after the first time) ...")
+        ok, line = probe_python(peers, DS_PREWARM.format(names=names), timeout=args.timeout)
+        print(f"  {'done in ' + line + ' s' if ok else 'FAILED: ' + line}")
+
+    header = {
+        "date": _dt.date.today().isoformat(),
+        "loadavg_start": list(os.getloadavg()),
+        "machine": machine_description(),
+        "device": args.device,
+        "nproc": nproc,
+        "threads_per_rank": args.threads,
+        "rounds": args.rounds,
+        "command": " ".join([os.path.relpath(sys.executable, REPO_ROOT), *sys.argv]),
+        "torch_python": torch_python,
+        "peers_python": peers,
+        "torch_versions": sorted(
+            {torch_version(p) for p in {torch_python, peers} if p is not None}
+        ),
+    }
+    rows = plan_rows(engines, stages)
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {row: [] for row in rows}
+    launches = [row for _ in range(args.rounds) for row in rows if row[0] not in skip]
+    for engine, stage in tqdm(launches, desc="train_bench", unit="launch", file=sys.stderr):
+        python = peers if engine == "deepspeed" else torch_python
+        runs[(engine, stage)].append(launch_row(args, engine, stage, python, nproc))
+    header["loadavg_end"] = list(os.getloadavg())
+    results = [
+        merge_rounds(runs[row]) if runs[row] else _unavailable(*row, skip[row[0]]) for row in rows
+    ]
+
+    print_report(header, results, markdown=args.markdown)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps({"header": header, "results": results}, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0 if all(r["status"] in ("ok", "unavailable") for r in results) else 1
+
+
+def _unavailable(engine: str, stage: int, why: str) -> dict[str, Any]:
+    from trainbench.engines import row_label
+
+    label = row_label(engine, stage)
+    return {"engine": engine, "stage": stage, "label": label, "status": "unavailable", "error": why}
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Side-by-side training benchmark: workload, engine adapters, child worker, report."""

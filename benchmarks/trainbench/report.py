@@ -1,0 +1,168 @@
+"""Tables of the side-by-side training benchmark: results, shardspeed/peer ratios, loss check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _bench_common import ratio, render_table
+
+# For each stage: the peers shardspeed is compared with, as (engine, stage) keys.
+PAIRINGS: dict[int, list[tuple[str, int]]] = {
+    0: [("ddp", 0), ("deepspeed", 0)],
+    1: [("deepspeed", 1)],
+    2: [("fsdp2", 2), ("deepspeed", 2)],
+    3: [("fsdp2", 3), ("deepspeed", 3)],
+}
+
+
+def _ok(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["engine"], r["stage"]): r for r in results if r.get("status") == "ok"}
+
+
+def _max(values: list[float] | None) -> float | None:
+    return max(values) if values else None
+
+
+def results_table(results: list[dict[str, Any]], markdown: bool) -> str:
+    """One row per launch: step time, throughput, memory, init time, losses."""
+    ok = _ok(results)
+    ddp = ok.get(("ddp", 0))
+    headers = ["engine", "stage", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB/rank"]
+    headers += ["+MiB/rank", "init s", "loss@1", "loss@end", "time / DDP"]
+    rows = []
+    for r in results:
+        if r.get("status") != "ok":
+            note = "not available yet" if r.get("status") == "unavailable" else "FAILED"
+            rows.append([r["label"], r["stage"], note, *["-"] * (len(headers) - 3)])
+            continue
+        rows.append(
+            [
+                r["label"],
+                r["stage"],
+                r["median_ms"],
+                r["p90_ms"],
+                r["min_ms"],
+                round(r["tokens_per_s"]),
+                _max(r["peak_mem_mb_per_rank"]),
+                _max(r["peak_mem_delta_mb_per_rank"]),
+                r["init_s"],
+                f"{r['loss_step1']:.5f}",
+                f"{r['loss_final']:.5f}",
+                ratio(r["median_ms"], ddp["median_ms"]) if ddp else None,
+            ]
+        )
+    return render_table(headers, rows, markdown)
+
+
+def ratio_table(results: list[dict[str, Any]], markdown: bool) -> str:
+    """shardspeed / peer for each stage pairing (time: < 1 is faster; memory: < 1 is smaller)."""
+    ok = _ok(results)
+    headers = ["pairing", "time ratio", "p90 ratio", "min ratio", "peak mem ratio", "+mem ratio"]
+    headers += ["abs dloss@end"]
+    rows = []
+    stages = sorted({r["stage"] for r in results})
+    planned = {(r["engine"], r["stage"]) for r in results}
+    for stage in stages:
+        mine = ok.get(("shardspeed", stage))
+        for peer_key in PAIRINGS.get(stage, []) if ("shardspeed", stage) in planned else []:
+            peer = ok.get(peer_key)
+            if peer is None:
+                continue
+            name = f"shardspeed Z{stage} / {peer['label']}"
+            if mine is None:
+                rows.append([name, "n/a", "-", "-", "-", "-", "-"])
+                continue
+            rows.append(
+                [
+                    name,
+                    ratio(mine["median_ms"], peer["median_ms"]),
+                    ratio(mine["p90_ms"], peer["p90_ms"]),
+                    ratio(mine["min_ms"], peer["min_ms"]),
+                    ratio(_max(mine["peak_mem_mb_per_rank"]), _max(peer["peak_mem_mb_per_rank"])),
+                    ratio(
+                        _max(mine["peak_mem_delta_mb_per_rank"]),
+                        _max(peer["peak_mem_delta_mb_per_rank"]),
+                    ),
+                    f"{abs(mine['loss_final'] - peer['loss_final']):.2e}",
+                ]
+            )
+        # Peer against peer (DeepSpeed / torch), useful while shardspeed rows are missing.
+        torch_peer = next((ok.get(k) for k in PAIRINGS.get(stage, []) if k[0] != "deepspeed"), None)
+        ds = ok.get(("deepspeed", stage))
+        if torch_peer is not None and ds is not None:
+            rows.append(
+                [
+                    f"{ds['label']} / {torch_peer['label']}",
+                    ratio(ds["median_ms"], torch_peer["median_ms"]),
+                    ratio(ds["p90_ms"], torch_peer["p90_ms"]),
+                    ratio(ds["min_ms"], torch_peer["min_ms"]),
+                    ratio(
+                        _max(ds["peak_mem_mb_per_rank"]), _max(torch_peer["peak_mem_mb_per_rank"])
+                    ),
+                    ratio(
+                        _max(ds["peak_mem_delta_mb_per_rank"]),
+                        _max(torch_peer["peak_mem_delta_mb_per_rank"]),
+                    ),
+                    f"{abs(ds['loss_final'] - torch_peer['loss_final']):.2e}",
+                ]
+            )
+    return render_table(headers, rows, markdown)
+
+
+def loss_check(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Largest disagreement between rows at step 1 (identical workloads) and at the end."""
+    ok = list(_ok(results).values())
+    if len(ok) < 2:
+        return {}
+    first = [r["loss_step1"] for r in ok]
+    last = [r["loss_final"] for r in ok]
+    n = min(len(r["losses"]) for r in ok)
+    per_step = [max(r["losses"][i] for r in ok) - min(r["losses"][i] for r in ok) for i in range(n)]
+    return {
+        "max_diff_step1": max(first) - min(first),
+        "max_diff_final": max(last) - min(last),
+        "max_diff_any_step": max(per_step) if per_step else float("nan"),
+    }
+
+
+def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown: bool) -> None:
+    """Print the header, the results table, the ratio table, the loss check and failures."""
+    wl = next((r["workload"] for r in results if "workload" in r), None)
+    print()
+    print(f"date {header['date']} | {header['machine']} | device {header['device']}")
+    print(
+        f"ranks per launch {header['nproc']} | threads per rank {header['threads_per_rank']} "
+        f"| torch {', '.join(header['torch_versions'])} | rounds {header['rounds']}"
+    )
+    load = header.get("loadavg_start"), header.get("loadavg_end")
+    if all(load):
+        print(f"1-min load average: {load[0][0]:.2f} at start, {load[1][0]:.2f} at end")
+    if wl is not None:
+        print(
+            f"GPT n_layer={wl['n_layer']} n_embd={wl['n_embd']} n_head={wl['n_head']} "
+            f"T={wl['block_size']} vocab={wl['vocab_size']} micro_batch={wl['micro_batch']} "
+            f"{wl['dtype']} | warmup {wl['warmup']} + {wl['steps']} timed steps "
+            f"| DeepSpeed optimizer: {wl['ds_optimizer']}"
+        )
+    if len(header["torch_versions"]) > 1:
+        print("WARNING: rows ran on different torch builds; compare with care.")
+    print()
+    print(results_table(results, markdown))
+    ratios = ratio_table(results, markdown)
+    if len(ratios.splitlines()) > 2:
+        print()
+        print("ratios (time and memory: < 1 means the numerator is faster / smaller)")
+        print(ratios)
+    check = loss_check(results)
+    if check:
+        print()
+        print(
+            f"loss check: max |diff| at step 1 = {check['max_diff_step1']:.2e} "
+            f"(identical workloads: expect ~1e-6 fp32), at the end = "
+            f"{check['max_diff_final']:.2e}, over all steps = {check['max_diff_any_step']:.2e}"
+        )
+    for r in results:
+        if r.get("status") == "unavailable":
+            print(f"{r['label']}: {r.get('error', 'not available yet')}")
+        elif r.get("status") != "ok":
+            print(f"\n{r['label']} FAILED: {r.get('error', '')}")
