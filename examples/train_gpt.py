@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch when started directly")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     p.add_argument("--offload", choices=["none", "cpu"], default="none", help="optimizer offload")
-    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -137,7 +137,7 @@ def train(args: argparse.Namespace) -> None:
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            loss_acc += float(loss) / args.gas
+            loss_acc += loss.item() / args.gas
         mean = torch.tensor(loss_acc)
         comm.all_reduce(mean)
         losses.append(float(mean) / world)
@@ -207,8 +207,11 @@ def generate_samples(out: Path, tokenizer) -> None:
     print("\n=== samples ===")
     if pipeline is not None:
         pipe = pipeline(str(out))
-        for r in pipe(prompts, max_new_tokens=80, temperature=0.8, top_k=40, seed=0):
-            print(f"--- {r.prompt!r}\n{r.prompt}{r.generated_text}")
+        for i, prompt in enumerate(prompts):
+            (r,) = pipe([prompt], max_new_tokens=120, temperature=0.7, top_k=40, seed=i)
+            print(
+                f"--- {prompt!r} ({r.generated_length} tokens, {r.latency * 1e3:.0f} ms)\n{prompt}{r.generated_text}"
+            )
         pipe.shutdown()
         return
     from shardspeed.models import GPT
