@@ -71,6 +71,10 @@ def ds_config(args: argparse.Namespace, on_gpu: bool) -> dict:
         "zero_optimization": {"stage": args.zero},
         "bf16": {"enabled": on_gpu},
     }
+    if args.zero == 3:
+        # every matrix of the small demo GPT is under DeepSpeed's default persistence threshold
+        # (1e5 elements), which would keep them all unsharded; shard anything above 1000.
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
     if args.offload != "none":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": args.offload}
     return cfg
@@ -115,6 +119,8 @@ def train(args: argparse.Namespace) -> None:
         n_embd=args.embd,
     )
     model = GPT(config)
+    num_params = model.num_parameters()
+    args.bf16 = on_gpu
     tokens = load_stdlib_corpus()
     split = int(tokens.numel() * 0.95)
     train_set = TokenWindows(tokens[:split], args.block)
@@ -155,19 +161,31 @@ def train(args: argparse.Namespace) -> None:
     comm.all_gather_object(all_mem, mem)
 
     out = Path(args.out)
-    if args.zero == 3:
-        engine.save_16bit_model(str(out), "model.safetensors")
+    state = engine.state_dict()  # full weights (a collective gather at ZeRO-3)
     if rank == 0:
-        if args.zero != 3:
-            engine.module.float().save_pretrained(out)
-        print_summary(args, losses, float(val_loss), all_mem, elapsed, tokens_per_step, out, config)
+        trained = GPT(config)
+        trained.load_state_dict({k: v.float() for k, v in state.items()})
+        trained.save_pretrained(out)
+        print_summary(
+            args,
+            losses,
+            float(val_loss),
+            all_mem,
+            elapsed,
+            tokens_per_step,
+            out,
+            config,
+            num_params,
+        )
     comm.barrier()
     if rank == 0 and not args.no_generate:
         generate_samples(out, ByteTokenizer())
     engine.destroy()
 
 
-def print_summary(args, losses, val_loss, all_mem, elapsed, tokens_per_step, out, config) -> None:
+def print_summary(
+    args, losses, val_loss, all_mem, elapsed, tokens_per_step, out, config, num_params
+) -> None:
     mib = 1 << 20
     print("\n=== ShardSpeed demo summary ===")
     print(
@@ -187,6 +205,16 @@ def print_summary(args, losses, val_loss, all_mem, elapsed, tokens_per_step, out
             for r, m in enumerate(all_mem)
         )
     )
+    keys = ("params", "grads", "master_params", "optimizer_state")
+    # stage 0 with Adam holds, per rank: params + grads (param dtype), fp32 master if mixed, 2 fp32 moments
+    elt = 2 if args.bf16 else 4
+    stage0 = num_params * (2 * elt + (4 if elt == 2 else 0) + 8)
+    mine = sum(all_mem[0][k] for k in keys)
+    if args.zero > 0:
+        print(
+            f"ZeRO-{args.zero} model states per rank: {mine / mib:.2f} MiB vs {stage0 / mib:.2f} MiB "
+            f"at stage 0 ({100 * (1 - mine / stage0):.0f}% less)"
+        )
     summary = {
         "losses": losses,
         "val_loss": val_loss,
