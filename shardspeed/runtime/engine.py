@@ -46,33 +46,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         dp_group: Any = None,
     ) -> None:
         super().__init__()
-        self.module = model
-        self._config = config
-        self.config = config.raw
-        self.mpu = mpu
-        self.local_rank = comm.get_local_rank()
-        self.global_rank = comm.get_rank()
-        self.world_size = comm.get_world_size()
-        self.dp_group = dp_group
-        self.dp_world_size = comm.get_world_size(group=dp_group)
-        self.dp_rank = comm.get_rank(group=dp_group)
-        self.mp_world_size = self.world_size // self.dp_world_size
-        self.device = get_accelerator().device(self.local_rank)
-        self.precision = MixedPrecision.from_config(config)
-        self.stage = config.zero_optimization.stage
+        self._init_state(model, config, mpu, dp_group)
         if self.stage > 2:
             raise ValueError(
                 f"zero_optimization.stage={self.stage} is handled by the stage-3 engine; "
                 "this engine implements stages 0-2."
             )
-
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._last_step: StepResult | None = None
-        self._in_no_sync = False
 
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
@@ -122,6 +101,32 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
 
     # -- construction helpers ------------------------------------------------------------
+    def _init_state(
+        self, model: nn.Module, config: ShardSpeedConfig, mpu: Any, dp_group: Any
+    ) -> None:
+        """Identity (ranks, groups, device, precision) and step counters, shared by subclasses."""
+        self.module = model
+        self._config = config
+        self.config = config.raw
+        self.mpu = mpu
+        self.local_rank = comm.get_local_rank()
+        self.global_rank = comm.get_rank()
+        self.world_size = comm.get_world_size()
+        self.dp_group = dp_group
+        self.dp_world_size = comm.get_world_size(group=dp_group)
+        self.dp_rank = comm.get_rank(group=dp_group)
+        self.mp_world_size = self.world_size // self.dp_world_size
+        self.device = get_accelerator().device(self.local_rank)
+        self.precision = MixedPrecision.from_config(config)
+        self.stage = config.zero_optimization.stage
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._boundary_override: bool | None = None
+        self._last_step: StepResult | None = None
+        self._in_no_sync = False
+
     def _build_flat_groups(self, groups: list[dict[str, Any]]) -> list[FlatGroup]:
         p = self.precision
         grad_dtype = p.grad_dtype(self._config.gradient_accumulation_steps)

@@ -19,10 +19,8 @@ import torch
 import torch.nn as nn
 
 from shardspeed import comm
-from shardspeed.accelerator import get_accelerator
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
-from shardspeed.precision.policy import MixedPrecision
 from shardspeed.runtime.engine import ShardSpeedEngine
 from shardspeed.runtime.memory import optimizer_state_bytes
 from shardspeed.runtime.reporting import StepReporter
@@ -244,29 +242,9 @@ class Stage3Engine(ShardSpeedEngine):
         dp_group: Any = None,
     ) -> None:
         nn.Module.__init__(self)
-        self.module = model
-        self._config = config
-        self.config = config.raw
-        self.mpu = mpu
-        self.local_rank = comm.get_local_rank()
-        self.global_rank = comm.get_rank()
-        self.world_size = comm.get_world_size()
-        self.dp_group = dp_group
-        self.dp_world_size = comm.get_world_size(group=dp_group)
-        self.dp_rank = comm.get_rank(group=dp_group)
-        self.mp_world_size = self.world_size // self.dp_world_size
-        self.device = get_accelerator().device(self.local_rank)
-        self.precision = MixedPrecision.from_config(config)
-        self.stage = 3
+        self._init_state(model, config, mpu, dp_group)
         zc = config.zero_optimization
         self.offload = OffloadPolicy.from_zero_config(zc)
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
-        self._boundary_override: bool | None = None
-        self._last_step = None
-        self._in_no_sync = False
 
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
