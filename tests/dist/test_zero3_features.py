@@ -189,7 +189,7 @@ def _gathered_modifier() -> list[float]:
 
 
 def test_gathered_parameters_modifier_rank_broadcasts_and_updates_shards() -> None:
-    ref = float(_fresh().layers[0].weight.sum())
+    ref = float(_fresh().layers[0].weight.detach().sum())
     for seen in run_distributed(_gathered_modifier, 2, timeout=60):
         assert seen[0] == pytest.approx(0.5 * 16 * 16)
         assert seen[1] == pytest.approx(ref, rel=1e-6)
