@@ -41,7 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/demo", help="where weights and the summary go")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-generate", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.offload != "none" and args.zero != 3:
+        p.error(
+            f"--offload {args.offload} needs --zero 3 (optimizer offload is implemented for stage 3)"
+        )
+    return args
 
 
 def relaunch(args: argparse.Namespace) -> int:

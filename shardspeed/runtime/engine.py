@@ -52,6 +52,13 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 f"zero_optimization.stage={self.stage} is handled by the stage-3 engine; "
                 "this engine implements stages 0-2."
             )
+        offload = config.zero_optimization.offload_optimizer
+        if offload is not None and offload.device != "none":
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.device={offload.device!r} is implemented for "
+                f"ZeRO stage 3 only; this config uses stage {self.stage}. Set "
+                "zero_optimization.stage to 3, or remove offload_optimizer."
+            )
 
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)

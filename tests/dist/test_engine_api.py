@@ -257,3 +257,21 @@ def _activation_checkpointing_config() -> dict:
 def test_engine_applies_activation_checkpointing_block() -> None:
     out = run_distributed(_activation_checkpointing_config, 2)[0]
     assert out["configured"] and "cpu_checkpointing=True" in out["settings"]
+
+
+def _offload_below_stage3() -> str:
+    with pytest.raises(ValueError) as err:
+        shardspeed.initialize(
+            model=_model(),
+            config={
+                "train_micro_batch_size_per_gpu": 2,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            },
+        )
+    return str(err.value)
+
+
+def test_optimizer_offload_below_stage3_is_an_error_not_ignored() -> None:
+    msg = run_distributed(_offload_below_stage3, 2)[0]
+    assert "offload_optimizer.device='cpu'" in msg and "stage 3" in msg
