@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PEERS_VENV ?= .venv-peers
+# The CPU build of torch that this machine kind keeps on disk (small, no CUDA wheels); every
+# number in docs/ was measured on it. `make TORCH=torch` takes whatever pip resolves instead.
+TORCH ?= torch==2.13.0
 
 .PHONY: all demo test test-slow test-gpu lint format bench bench-peers clean
 
@@ -14,6 +17,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
