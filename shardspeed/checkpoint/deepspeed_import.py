@@ -1,0 +1,394 @@
+"""Import a DeepSpeed ZeRO-1/2/3 checkpoint folder as a ShardSpeed engine checkpoint.
+
+DeepSpeed (0.19.x) writes, per tag, ``mp_rank_00_model_states.pt`` (module state dict,
+``param_shapes``, ``shared_params``, counters, LR scheduler, ``ds_config``) and one
+``zero_pp_rank_{dp}_mp_rank_00_optim_states.pt`` per data-parallel rank holding that rank's
+slice of every param group's flat fp32 partition (``single_partition_of_fp32_groups``) and
+the base optimizer's state for it (``base_optimizer_state``). The full flat group is the
+ranks' partitions concatenated; parameters lie in it back to back in ``param_shapes`` order,
+followed by the alignment padding of the last rank. At stage 3 every DP rank writes
+``zero_pp_rank_{dp}_mp_rank_00_model_states.pt`` (rank 0's is read) and its optimizer file
+holds ``fp32_flat_groups`` (each parameter split on its own into ``ceil(numel / world)``
+chunks, the last one padded) and the base optimizer's ``optimizer_state_dict``.
+
+The import rebuilds every trainable parameter's full fp32 master and per-element optimizer
+state (``exp_avg``, ``exp_avg_sq``, ...) and writes them as if saved by a world-size-1
+stage-0 ShardSpeed engine; :func:`shardspeed.checkpoint.load_checkpoint` then reshards it
+onto any world size and stage.
+
+DeepSpeed's ``.pt`` files are pickles holding non-tensor objects, so this module (and only
+this module: the normal load path never unpickles) loads them with
+``torch.load(weights_only=False)``. Only import checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import shutil
+import types
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardspeed.checkpoint.format import (
+    FORMAT_VERSION,
+    KIND_BUFFER,
+    KIND_MASTER,
+    KIND_PARAM,
+    LATEST,
+    MANIFEST,
+    TMP_MARKER,
+    build_index,
+    dtype_name,
+    rank_stem,
+    split_client_state,
+    write_json,
+)
+from shardspeed.checkpoint.shards import FragmentWriter
+from shardspeed.checkpoint.state import capture_rng_state
+from shardspeed.utils.io import atomic_write_text
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+MODEL_STATES_Z3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # stage 3: one per DP rank
+_OPTIM_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+# top-level keys of DeepSpeed's model states; anything else is the user's client_state
+_DS_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "frozen_param_fragments",
+        "shared_params",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "checkpoint_parallel_dimensions",
+        "ds_config",
+        "ds_version",
+    }
+)
+
+
+class _DeepSpeedObject:
+    """Stand-in for a DeepSpeed class when DeepSpeed is not installed (keeps args and attrs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+    def __int__(self) -> int:  # ZeroStageEnum
+        return int(self.args[0])
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            if module.split(".")[0] != "deepspeed":
+                raise
+            return type(name, (_DeepSpeedObject,), {})
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pickle")
+
+
+def _load_trusted(path: Path) -> Any:
+    """Unpickle one DeepSpeed file (trusted input only; see the module docstring).
+
+    DeepSpeed need not be installed: its classes (ZeroStageEnum, loss scalers, fragment
+    addresses) become attribute bags.
+    """
+    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+
+
+def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:
+    if tag is None:
+        latest = ds_dir / "latest"
+        if not latest.is_file():
+            raise ValueError(
+                f"DeepSpeed checkpoint dir {str(ds_dir)!r} has no 'latest' file; pass the tag "
+                "explicitly (e.g. --tag global_step100)."
+            )
+        tag = latest.read_text(encoding="utf-8").strip()
+    if _model_states_file(ds_dir / tag) is None:
+        tags = sorted(d.name for d in ds_dir.iterdir() if _model_states_file(d) is not None)
+        raise ValueError(
+            f"tag {tag!r} under {str(ds_dir)!r} has neither {MODEL_STATES} nor "
+            f"{MODEL_STATES_Z3}; DeepSpeed tags found there: {tags}. Pass one of them "
+            "(pipeline and MoE checkpoints are not supported by this importer)."
+        )
+    return tag
+
+
+def _model_states_file(tag_dir: Path) -> Path | None:
+    for name in (MODEL_STATES, MODEL_STATES_Z3):
+        if (tag_dir / name).is_file():
+            return tag_dir / name
+    return None
+
+
+def _optim_files(tag_dir: Path) -> list[Path]:
+    found = {}
+    for f in tag_dir.iterdir():
+        m = _OPTIM_RE.match(f.name)
+        if m:
+            found[int(m.group(1))] = f
+    if not found or sorted(found) != list(range(len(found))):
+        raise ValueError(
+            f"{str(tag_dir)!r} holds ZeRO optimizer files for ranks {sorted(found)}; expected "
+            "zero_pp_rank_0..N-1_mp_rank_00_optim_states.pt (a ZeRO checkpoint, all ranks)."
+        )
+    return [found[r] for r in range(len(found))]
+
+
+def _group_states(base: Any, n_groups: int) -> list[dict[str, Any]]:
+    """Per param group, the base optimizer's state of that rank's flat partition."""
+    if isinstance(base, dict) and "state" in base:  # a torch optimizer state_dict
+        state = base["state"]
+        return [dict(state.get(g, {})) for g in range(n_groups)]
+    if isinstance(base, list):  # elastic checkpoints: one state dict per group
+        return [dict(s) for s in base]
+    raise ValueError(f"unrecognised base_optimizer_state of type {type(base).__name__}")
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else None
+    if isinstance(value, (tuple, list)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    return None
+
+
+def _loss_scaler_state(scaler: Any) -> dict[str, Any]:
+    """DeepSpeed's loss scaler object as ShardSpeed's scaler state dict."""
+    scale = float(getattr(scaler, "cur_scale", getattr(scaler, "loss_scale", 1.0)))
+    dynamic = bool(getattr(scaler, "dynamic", False))
+    state: dict[str, Any] = {"loss_scale": scale, "dynamic": dynamic}
+    if dynamic:
+        state.update(
+            cur_iter=int(getattr(scaler, "cur_iter", 0)),
+            last_overflow_iter=int(getattr(scaler, "last_overflow_iter", -1)),
+            cur_hysteresis=int(getattr(scaler, "cur_hysteresis", 1)),
+            num_overflows=0,
+        )
+    return state
+
+
+def _split_flat(
+    name_shapes: dict[str, Any], parts: list[torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
+    """ZeRO-1/2: the ranks' partitions concatenated hold the parameters back to back
+    (then padding)."""
+    flat = torch.cat([p.detach().reshape(-1).float() for p in parts])
+    out, offset = {}, 0
+    for name, shape in name_shapes.items():
+        numel = int(torch.Size(shape).numel())
+        if offset + numel > flat.numel():
+            raise ValueError(
+                f"{what}: the flat group has {flat.numel()} elements but parameter {name!r} "
+                f"needs [{offset}, {offset + numel}); the checkpoint is incomplete or corrupt."
+            )
+        out[name] = flat[offset : offset + numel].view(-1)
+        offset += numel
+    return out
+
+
+def _split_stage3(
+    name_shapes: dict[str, Any], parts: list[torch.Tensor], what: str
+) -> dict[str, torch.Tensor]:
+    """ZeRO-3: every parameter is split on its own; rank r's flat holds, per parameter in
+    order, elements [r * c, (r + 1) * c) with c = ceil(numel / world) (the last padded)."""
+    flats = [p.detach().reshape(-1).float() for p in parts]
+    world = len(flats)
+    out, offset = {}, 0
+    for name, shape in name_shapes.items():
+        numel = int(torch.Size(shape).numel())
+        chunk = -(-numel // world)
+        if offset + chunk > flats[0].numel():
+            raise ValueError(
+                f"{what}: the stage-3 flat group has {flats[0].numel()} elements per rank but "
+                f"parameter {name!r} needs [{offset}, {offset + chunk}); the checkpoint is "
+                "incomplete or corrupt."
+            )
+        out[name] = torch.cat([f[offset : offset + chunk] for f in flats])[:numel]
+        offset += chunk
+    return out
+
+
+def _client_state(model_states: dict[str, Any]) -> dict[str, Any]:
+    client: dict[str, Any] = {}
+    for key, value in model_states.items():
+        if key in _DS_KEYS:
+            continue
+        try:
+            split_client_state({key: value})
+        except ValueError:
+            logger.warning(f"client_state key {key!r} is not JSON or a tensor; not imported")
+            continue
+        client[key] = value
+    return client
+
+
+def import_deepspeed_checkpoint(
+    ds_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    out_tag: str | None = None,
+) -> Path:
+    """Convert DeepSpeed ZeRO-1/2/3 checkpoint ``ds_dir`` (tag ``tag``, default its ``latest``)
+    into a ShardSpeed checkpoint ``<out_dir>/<out_tag>/`` (default: the same tag name).
+
+    Unpickles the DeepSpeed ``.pt`` files with ``torch.load(weights_only=False)``: use it
+    only on checkpoints you trust. Returns the written tag directory. The result is a
+    world-size-1 stage-0 checkpoint that ``load_checkpoint`` reshards onto any layout.
+    RNG states are not in DeepSpeed checkpoints; the converting process's are stored.
+    """
+    ds_dir, out_dir = Path(ds_dir), Path(out_dir)
+    tag = _resolve_ds_tag(ds_dir, tag)
+    tag_dir = ds_dir / tag
+    logger.info(
+        f"unpickling trusted DeepSpeed checkpoint {tag_dir} (torch.load weights_only=False)"
+    )
+    model = _load_trusted(_model_states_file(tag_dir))
+    rank_opts = [_load_trusted(f)["optimizer_state_dict"] for f in _optim_files(tag_dir)]
+    stage = int(rank_opts[0].get("zero_stage", 0))
+    if stage in (1, 2) and "single_partition_of_fp32_groups" in rank_opts[0]:
+        flat_key, base_key, split = (
+            "single_partition_of_fp32_groups",
+            "base_optimizer_state",
+            _split_flat,
+        )
+    elif stage == 3 and "fp32_flat_groups" in rank_opts[0]:
+        flat_key, base_key, split = "fp32_flat_groups", "optimizer_state_dict", _split_stage3
+        if model.get("frozen_param_shapes"):
+            raise ValueError(
+                f"{str(tag_dir)!r} is a ZeRO-3 checkpoint with frozen parameters "
+                f"{list(model['frozen_param_shapes'])}; importing those is not supported. "
+                "Convert it with DeepSpeed's zero_to_fp32 instead."
+            )
+    else:
+        raise ValueError(
+            f"{str(tag_dir)!r} is a ZeRO stage {stage} checkpoint without its flat fp32 groups; "
+            "this importer reads ZeRO stages 1, 2 and 3 (fp32 master partitions). Convert other "
+            "checkpoints with DeepSpeed's zero_to_fp32 and load the weights."
+        )
+    param_shapes: list[dict[str, Any]] = model["param_shapes"]
+    n_groups = len(param_shapes)
+    writer = FragmentWriter()
+    scalars: list[dict[str, Any]] = []
+    states = [_group_states(o[base_key], n_groups) for o in rank_opts]
+    for g, name_shapes in enumerate(param_shapes):
+        sources = {KIND_MASTER: [o[flat_key][g] for o in rank_opts]}
+        group_scalars: dict[str, Any] = {}
+        for k, v in states[0][g].items():
+            if isinstance(v, torch.Tensor) and v.numel() == sources[KIND_MASTER][0].numel() > 1:
+                sources[k] = [s[g][k] for s in states]
+            elif isinstance(v, torch.Tensor):
+                group_scalars[k] = {
+                    "value": v.item(),
+                    "dtype": dtype_name(v.dtype),
+                    "on_param_device": False,
+                }
+            else:
+                group_scalars[k] = {"value": _json_value(v)}
+        scalars.append(group_scalars)
+        for kind, parts in sources.items():
+            for name, t in split(name_shapes, parts, f"group {g} {kind}").items():
+                writer.add(name, kind, list(name_shapes[name]), 0, t)
+    module = model["module"]
+    for name, shape in (model.get("frozen_param_shapes") or {}).items():
+        writer.add(name, KIND_PARAM, list(shape), 0, module[name])
+    for name in model.get("buffer_names") or []:
+        if name in module:
+            writer.add(name, KIND_BUFFER, list(module[name].shape), 0, module[name])
+
+    out_tag = out_tag or tag
+    base = rank_opts[0][base_key]
+    groups = base.get("param_groups", []) if isinstance(base, dict) else []
+    config = model.get("ds_config") or {}
+    gas = int(config.get("gradient_accumulation_steps", 1) or 1)
+    client = _client_state(model)
+    client_json, client_tensors = split_client_state(client)
+    stem = rank_stem(0)
+    meta = {
+        "file": f"{stem}.safetensors",
+        "rank": 0,
+        "world_size": 1,
+        "tensors": writer.entries,
+        "client_tensors": sorted(client_tensors),
+        "client_state": client_json,
+        "optimizer_scalars": scalars,
+        "engine": {
+            "global_steps": int(model.get("global_steps", 0)),
+            "global_samples": int(model.get("global_samples", 0)),
+            "micro_steps": int(model.get("global_steps", 0)) * gas,
+            "gradient_accumulation_steps": gas,
+            "skipped_steps": int(model.get("skipped_steps", 0)),
+            "loss_scaler": _loss_scaler_state(rank_opts[0].get("loss_scaler")),
+            "lr_scheduler": model.get("lr_scheduler"),
+            "dataloader": None,
+            "param_groups": [
+                {k: _json_value(v) for k, v in grp.items() if k != "params"} for grp in groups
+            ],
+            "config": config,
+            "stage": 0,
+            "dp_world_size": 1,
+        },
+        "rng": capture_rng_state(),
+        "tied_aliases": dict(model.get("shared_params") or {}),
+        "param_order": list(module.keys()),
+    }
+    return _write(out_dir, out_tag, meta, {**writer.tensors, **client_tensors})
+
+
+def _write(out_dir: Path, tag: str, meta: dict[str, Any], tensors: dict[str, Any]) -> Path:
+    """Write the tag atomically (tmp dir, manifest last, rename, then ``latest``)."""
+    from safetensors.torch import save_file
+
+    tmp = out_dir / f"{tag}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / meta["file"]))
+    write_json(tmp / f"{rank_stem(0)}.json", meta)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "world_size": 1,
+        "dp_world_size": 1,
+        "stage": 0,
+        "global_steps": meta["engine"]["global_steps"],
+        "files": [meta["file"]],
+        "optimizer_scalars": meta["optimizer_scalars"],
+        "tied_aliases": meta["tied_aliases"],
+        "param_order": meta["param_order"],
+        "index": build_index([meta]),
+    }
+    write_json(tmp / MANIFEST, manifest)
+    final = out_dir / tag
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    atomic_write_text(out_dir / LATEST, tag)
+    logger.info(f"wrote ShardSpeed checkpoint {final}")
+    return final
