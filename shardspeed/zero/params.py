@@ -272,11 +272,21 @@ class FetchCoordinator:
       the gradient of their output arrives, released once their gradients are complete.
     """
 
-    def __init__(self, units: list[Unit], check: OrderCheck, prefetch_numel: int) -> None:
+    def __init__(
+        self,
+        units: list[Unit],
+        check: OrderCheck,
+        prefetch_numel: int,
+        max_live_numel: int = 0,
+        max_reuse_distance: int = 0,
+    ) -> None:
         self.units = units
         self.root = units[0]
         self.check = check
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.kept: set[int] = set()  # units kept gathered from their forward to their backward
         self.prev_order: list[int] = []
         self.order: list[int] = []
         self.prefetch_ok = True
@@ -318,6 +328,7 @@ class FetchCoordinator:
             f.start_gather()
 
     def release(self, unit: Unit) -> None:
+        self.kept.discard(unit.id)
         for f in unit.flats:
             if not f.persistent:
                 f.release()
@@ -326,6 +337,38 @@ class FetchCoordinator:
         for unit in self.units:
             if include_root or not unit.is_root:
                 self.release(unit)
+
+    def live_numel(self) -> int:
+        """Elements of sharded (non-persistent) units gathered or being gathered right now."""
+        return sum(
+            f.numel
+            for u in self.units
+            for f in u.flats
+            if not f.persistent and f.status is not ZeroParamStatus.NOT_AVAILABLE
+        )
+
+    def keep_for_backward(self, unit: Unit) -> bool:
+        """Keep ``unit`` gathered from its forward to its backward instead of re-gathering?
+
+        ``stage3_max_reuse_distance``: the unit is reused (by its backward) after the units
+        that run after it in the recorded forward order; when their parameter elements add
+        up to at most the distance, releasing it would only mean gathering it again soon.
+        ``stage3_max_live_parameters`` caps the gathered elements kept alive this way,
+        counting the next unit of the order, which is about to be gathered. Decided from
+        the previous forward's order, which every rank shares; on a changed order (or no
+        recorded order yet) units are released.
+        """
+        pos = len(self.order) - 1
+        prev = self.prev_order
+        if not self.prefetch_ok or pos < 0 or pos >= len(prev) or prev[pos] != unit.id:
+            return False
+        later = prev[pos + 1 :]
+        if sum(self.units[u].numel for u in set(later) if u != unit.id) > self.max_reuse_distance:
+            return False
+        upcoming = 0
+        if later and not self.units[later[0]].available():
+            upcoming = self.units[later[0]].numel
+        return self.live_numel() + upcoming <= self.max_live_numel
 
     # -- hooks ------------------------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: object) -> None:
@@ -339,7 +382,10 @@ class FetchCoordinator:
     def _root_post(self, module: nn.Module, args: object, output: object) -> None:
         if not _in_backward():
             self.prev_order = self.order
-        self.release_all(include_root=not torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        for unit in self.units:  # e.g. a prefetched unit this forward did not use
+            if (not unit.is_root or not grad) and not (grad and unit.id in self.kept):
+                self.release(unit)
 
     def _make_pre(self, unit: Unit):  # noqa: ANN202 - hook closure
         def hook(module: nn.Module, args: object) -> None:
@@ -383,7 +429,11 @@ class FetchCoordinator:
                     torch.autograd.graph.register_multi_grad_hook(
                         tensors, lambda _grad: self._pre_backward(unit, before), mode="any"
                     )
-            if not _in_backward():  # a recomputation's backward still needs the params
-                self.release(unit)
+            if _in_backward():  # a recomputation's backward still needs the params
+                return
+            if torch.is_grad_enabled() and self.keep_for_backward(unit):
+                self.kept.add(unit.id)
+                return
+            self.release(unit)
 
         return hook

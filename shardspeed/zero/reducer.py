@@ -68,7 +68,7 @@ class GradReducer:
         self.pre_factor = predivide_factor if prescale_gradients else 1.0
         self.post_factor = dp_world_size / self.pre_factor
         self.sync_enabled = True
-        self.scatter_via_all_reduce = _backend_of(dp_group) == "gloo"
+        self.scatter_via_all_reduce = backend_of(dp_group) == "gloo"
         self.dirty = False  # a gradient arrived since the last completed reduction
 
         # One global launch order: the bucket holding the latest-registered parameters first.
@@ -191,7 +191,7 @@ class GradReducer:
         self._hooks = []
 
 
-def _backend_of(group: object | None) -> str:
+def backend_of(group: object | None) -> str:
     """Name of the collective backend of ``group`` ("gloo", "nccl", ...), or "" if unknown."""
     import torch.distributed as dist
 

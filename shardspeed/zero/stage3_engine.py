@@ -29,6 +29,7 @@ from shardspeed.utils.logging import get_logger, log_dist
 from shardspeed.zero.offload import OffloadPolicy
 from shardspeed.zero.optimizer import ShardedOptimizer
 from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
+from shardspeed.zero.reducer import backend_of
 
 logger = get_logger(__name__)
 
@@ -129,6 +130,7 @@ class Stage3Reducer:
         self.pre_factor = pre_factor
         self.post_factor = world / pre_factor
         self.sync_enabled = True
+        self.scatter_via_all_reduce = backend_of(dp_group) == "gloo"
         self.order = [f for u in reversed(units) for f in u.flats] + persistent
         self.index = {id(f): i for i, f in enumerate(self.order)}
         self._hooks = [
@@ -171,6 +173,12 @@ class Stage3Reducer:
             buf.div_(self.pre_factor)
         if self.world == 1:
             out, work = buf, None
+        elif self.scatter_via_all_reduce:
+            # gloo: an all-reduce of the full buffer measured ~1.3-2x faster than its
+            # reduce-scatter; keep this rank's slice of the result.
+            work = comm.all_reduce(buf, group=self.dp_group, async_op=True)
+            lo, hi = flat.bucket.shard_range(flat.rank)
+            out = buf[lo:hi]
         else:
             out = torch.empty(flat.shard.numel(), dtype=self.reduce_dtype, device=buf.device)
             work = comm.reduce_scatter_tensor(out, buf, group=self.dp_group, async_op=True)
@@ -258,7 +266,11 @@ class Stage3Engine(ShardSpeedEngine):
         check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
         self.order_check = OrderCheck(dp_group, self.dp_world_size, self.device, check_on)
         self.coordinator = FetchCoordinator(
-            self.units, self.order_check, int(zc.stage3_prefetch_bucket_size)
+            self.units,
+            self.order_check,
+            int(zc.stage3_prefetch_bucket_size),
+            max_live_numel=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance),
         )
         self.coordinator.install()
         pre = config.gradient_predivide_factor if config.prescale_gradients else 1.0
