@@ -4,6 +4,10 @@
 * :mod:`~shardspeed.comm.backend`: ``init_distributed``, groups, ranks, the stored timeout.
 * :mod:`~shardspeed.comm.collectives`: the collectives, with accounting and version shims.
 * :mod:`~shardspeed.comm.logger`: the comms logger and the recent-ops ring buffer.
+* :mod:`~shardspeed.comm.errors`, :mod:`~shardspeed.comm.guard`: timeout / failure /
+  divergence errors with their reports, and the wrapper that raises them.
+* :mod:`~shardspeed.comm.sequence`, :mod:`~shardspeed.comm.sequence_check`: collective-
+  sequence fingerprints and the every-N-steps cross-rank check.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from shardspeed.comm.backend import (
     new_group,
 )
 from shardspeed.comm.collectives import (
+    GuardedWork,
     P2POp,
     ReduceOp,
     TimedWork,
@@ -50,14 +55,21 @@ from shardspeed.comm.collectives import (
     send,
 )
 from shardspeed.comm.env import DistEnv, discover_env
+from shardspeed.comm.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+)
 from shardspeed.comm.logger import (
     configure,
+    current_tag,
     get_logged_comm_ops,
     log_summary,
     recent_ops,
     reset_log,
     set_current_tag,
 )
+from shardspeed.comm.sequence_check import CollectiveSequenceCheck
 
 
 def _reset_comm_globals() -> None:
@@ -76,7 +88,12 @@ def _register_reset() -> None:
 _register_reset()
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveSequenceCheck",
+    "CollectiveTimeoutError",
     "DistEnv",
+    "GuardedWork",
     "P2POp",
     "ReduceOp",
     "TimedWork",
@@ -90,6 +107,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "configure",
+    "current_tag",
     "destroy_process_group",
     "discover_env",
     "gather",

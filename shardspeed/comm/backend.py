@@ -2,11 +2,16 @@
 
 One timeout is chosen at initialisation and applied to every group made through
 :func:`new_group`, so a hang surfaces at the same time whichever group it happens in.
+It is, first match wins: ``init_distributed(timeout=...)``, the environment variable
+``SHARDSPEED_COMM_TIMEOUT`` (seconds), DeepSpeed's ``DEEPSPEED_TIMEOUT`` (minutes), and
+:data:`DEFAULT_TIMEOUT` (30 minutes).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,16 +26,55 @@ from shardspeed.utils.logging import get_logger, log_dist
 logger = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+TIMEOUT_ENV = "SHARDSPEED_COMM_TIMEOUT"  # seconds
+DEEPSPEED_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"  # minutes (DeepSpeed's variable)
 
 
 @dataclass
 class _CommState:
-    timeout: timedelta = DEFAULT_TIMEOUT
+    timeout: timedelta | None = None  # None: not initialised by init_distributed
     local_rank: int | None = None
     env: DistEnv | None = None
 
 
 _STATE = _CommState()
+_GROUP_TIMEOUTS: weakref.WeakKeyDictionary[Any, timedelta] = weakref.WeakKeyDictionary()
+
+
+def resolve_timeout(timeout: timedelta | None, environ: Mapping[str, str]) -> timedelta:
+    """The process-group timeout: ``timeout`` if given, else the environment, else 30 min."""
+    if timeout is not None:
+        if not isinstance(timeout, timedelta):
+            raise ValueError(
+                f"init_distributed(timeout={timeout!r}) must be a datetime.timedelta, "
+                "e.g. timedelta(minutes=30)."
+            )
+        return timeout
+    for name, unit in ((TIMEOUT_ENV, "seconds"), (DEEPSPEED_TIMEOUT_ENV, "minutes")):
+        text = environ.get(name, "").strip()
+        if not text:
+            continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(
+                f"environment variable {name}={text!r} must be a positive number of {unit} "
+                f"(the process-group timeout); unset it for the default of 30 minutes."
+            )
+        return timedelta(seconds=value) if unit == "seconds" else timedelta(minutes=value)
+    return DEFAULT_TIMEOUT
+
+
+def group_timeout(group: Any) -> timedelta | None:
+    """The timeout ``group`` was created with, when this module created it (else None)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return _STATE.timeout
+    try:
+        return _GROUP_TIMEOUTS.get(group)
+    except TypeError:
+        return None
 
 
 def _resolve_master_addr(env: DistEnv) -> str:
@@ -66,7 +110,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = DEFAULT_PORT,
     verbose: bool = True,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config: Any = None,
@@ -78,8 +122,12 @@ def init_distributed(
     Reads torchrun, Open MPI, PMI and Slurm variables (see :mod:`shardspeed.comm.env`);
     ``rank``/``world_size`` >= 0 override them. The backend defaults to ``nccl`` with CUDA
     and ``gloo`` otherwise; with CUDA the device is set from the local rank. A process with
-    no launcher variables becomes a world of one. ``timeout`` is kept and applied to every
-    group made with :func:`new_group`. ``dist_init_required=False`` skips initialisation.
+    no launcher variables becomes a world of one. ``timeout`` (default: the environment's
+    ``SHARDSPEED_COMM_TIMEOUT`` seconds or ``DEEPSPEED_TIMEOUT`` minutes, else 30 minutes)
+    is the world group's and every :func:`new_group`'s: a collective that waits longer
+    raises :class:`~shardspeed.comm.errors.CollectiveTimeoutError` with this rank's report
+    (gloo; NCCL with ``TORCH_NCCL_BLOCKING_WAIT=1``). ``dist_init_required=False`` skips
+    initialisation.
     ``config`` (a ds_config dict or object) configures the comms logger.
     """
     if config is not None:
@@ -90,11 +138,7 @@ def init_distributed(
         return
     if dist_init_required is False:
         return
-    if not isinstance(timeout, timedelta):
-        raise ValueError(
-            f"init_distributed(timeout={timeout!r}) must be a datetime.timedelta, "
-            "e.g. timedelta(minutes=30)."
-        )
+    timeout = resolve_timeout(timeout, os.environ)
     env = discover_env(os.environ, default_port=distributed_port, use_mpi=auto_mpi_discovery)
     if rank >= 0 or world_size >= 0:
         if rank < 0 or world_size < 1 or rank >= world_size:
@@ -168,8 +212,8 @@ def get_world_group() -> Any:
 
 
 def get_timeout() -> timedelta:
-    """The timeout every group is created with."""
-    return _STATE.timeout
+    """The timeout every group is created with (see :func:`resolve_timeout`)."""
+    return _STATE.timeout or resolve_timeout(None, os.environ)
 
 
 def new_group(
@@ -183,7 +227,13 @@ def new_group(
     Like torch, every rank of the world must call this in the same order with the same
     ``ranks`` (ranks not in the group get a non-member handle).
     """
-    return dist.new_group(ranks=ranks, timeout=timeout or _STATE.timeout, backend=backend, **kwargs)
+    timeout = timeout or get_timeout()
+    group = dist.new_group(ranks=ranks, timeout=timeout, backend=backend, **kwargs)
+    try:
+        _GROUP_TIMEOUTS[group] = timeout  # named in timeout reports
+    except TypeError:  # a non-member placeholder that takes no weak references
+        pass
+    return group
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -197,4 +247,5 @@ def destroy_process_group(group: Any = None) -> None:
 
 def reset_state() -> None:
     """Forget the stored timeout and local rank (after the world is destroyed)."""
-    _STATE.timeout, _STATE.local_rank, _STATE.env = DEFAULT_TIMEOUT, None, None
+    _STATE.timeout, _STATE.local_rank, _STATE.env = None, None, None
+    _GROUP_TIMEOUTS.clear()

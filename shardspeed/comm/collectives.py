@@ -7,6 +7,14 @@ synchronised around synchronous calls; an async call is timed until its handle's
 ``wait()`` returns, so an async op that is never waited on is not recorded).
 The new-style names (``all_gather_into_tensor``, ``reduce_scatter_tensor``) are used, with
 fallbacks for torch builds that lack them.
+
+Every wrapper is ``@guarded`` (:mod:`shardspeed.comm.guard`): when the backend raises because the process group timed out
+or broke (gloo raises; NCCL raises with ``TORCH_NCCL_BLOCKING_WAIT=1``), the error becomes
+a :class:`~shardspeed.comm.errors.CollectiveTimeoutError` /
+:class:`~shardspeed.comm.errors.CollectiveError` naming this rank, the collective, its
+module/phase tag and the last collectives; async handles are wrapped in
+:class:`GuardedWork` so a failing ``wait()`` reports the same way. Other errors (wrong
+shapes, bad arguments) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.comm.guard import GuardedWork, guarded
 from shardspeed.comm.logger import COMMS_LOGGER, note_op
 
 ReduceOp = dist.ReduceOp
@@ -75,28 +84,28 @@ class _Recorder:
             COMMS_LOGGER.record(self.op, self.msg_bytes, latency, group_size, key=self.key)
 
 
-class TimedWork:
-    """A ``Work`` handle whose ``wait()`` also records the op's latency (logger enabled)."""
+class TimedWork(GuardedWork):
+    """A guarded handle whose ``wait()`` also records the op's latency (logger enabled)."""
 
-    def __init__(self, work: Any, recorder: _Recorder) -> None:
-        self._work = work
+    __slots__ = ("_recorder",)
+
+    def __init__(self, work: Any, recorder: _Recorder, entry: tuple[Any, ...] | None = None):
+        super().__init__(work, entry)
         self._recorder: _Recorder | None = recorder
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
+    def _completed(self) -> None:
         if self._recorder is not None:
             recorder, self._recorder = self._recorder, None
             recorder.done()
-        return result
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
+
+_OWN_FILES = frozenset({__file__, sys.modules[GuardedWork.__module__].__file__})
 
 
 def _caller() -> str:
-    """``function (file:line)`` of the first frame outside this module."""
+    """``function (file:line)`` of the first frame outside this module and its guard."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename == __file__:
+    while frame is not None and frame.f_code.co_filename in _OWN_FILES:
         frame = frame.f_back
     if frame is None:
         return "?"
@@ -135,6 +144,7 @@ def _timed(
 # path computes message sizes or touches timers.
 
 
+@guarded
 def all_reduce(
     tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Work | None:
@@ -155,6 +165,7 @@ def inference_all_reduce(
     return all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+@guarded
 def reduce(
     tensor: torch.Tensor,
     dst: int,
@@ -181,6 +192,7 @@ def _reduce_scatter_flat(
     return dist.reduce_scatter(output, chunks, op=op, group=group, async_op=async_op)
 
 
+@guarded
 def reduce_scatter_tensor(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -201,6 +213,7 @@ def reduce_scatter_tensor(
 reduce_scatter_fn = reduce_scatter_tensor
 
 
+@guarded
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
@@ -226,6 +239,7 @@ def _all_gather_flat(output: torch.Tensor, input: torch.Tensor, group: Any, asyn
     return dist.all_gather(chunks, input, group=group, async_op=async_op)
 
 
+@guarded
 def all_gather_into_tensor(
     output: torch.Tensor, input: torch.Tensor, group: Any = None, async_op: bool = False
 ) -> Work | None:
@@ -239,6 +253,7 @@ def all_gather_into_tensor(
     )  # fmt: skip
 
 
+@guarded
 def all_gather(
     tensor_list: list[torch.Tensor],
     tensor: torch.Tensor,
@@ -255,6 +270,7 @@ def all_gather(
     )  # fmt: skip
 
 
+@guarded
 def broadcast(
     tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False
 ) -> Work | None:
@@ -268,6 +284,7 @@ def broadcast(
     )  # fmt: skip
 
 
+@guarded
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -287,6 +304,7 @@ def all_to_all_single(
     )  # fmt: skip
 
 
+@guarded
 def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
@@ -304,6 +322,7 @@ def gather(
     )  # fmt: skip
 
 
+@guarded
 def scatter(
     tensor: torch.Tensor,
     scatter_list: list[torch.Tensor] | None = None,
@@ -322,6 +341,7 @@ def scatter(
 
 
 # ----------------------------------------------------------------- point to point
+@guarded
 def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
     """Blocking send to global rank ``dst``."""
     note_op("send", group, tensor.numel(), tensor.dtype, False)
@@ -332,6 +352,7 @@ def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Non
     )
 
 
+@guarded
 def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
     """Blocking receive into ``tensor``; returns the sender's rank."""
     note_op("recv", group, tensor.numel(), tensor.dtype, False)
@@ -342,6 +363,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: i
     )
 
 
+@guarded
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Work:
     """Non-blocking send; returns a handle to ``wait()`` on."""
     note_op("isend", group, tensor.numel(), tensor.dtype, True)
@@ -352,6 +374,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Wo
     )
 
 
+@guarded
 def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Work:
     """Non-blocking receive; returns a handle to ``wait()`` on."""
     note_op("irecv", group, tensor.numel(), tensor.dtype, True)
@@ -375,6 +398,7 @@ class P2POp(dist.P2POp):
         super().__init__(_TORCH_P2P.get(op, op), tensor, *args, **kwargs)
 
 
+@guarded
 def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Work]:
     """Issue a batch of :class:`P2POp`; returns one handle per op (bytes: all tensors)."""
     first = p2p_op_list[0] if p2p_op_list else None
@@ -393,6 +417,7 @@ def batch_isend_irecv(p2p_op_list: list[Any]) -> list[Work]:
 
 
 # ----------------------------------------------------------------- sync and objects
+@guarded
 def barrier(
     group: Any = None, async_op: bool = False, device_ids: list[int] | None = None
 ) -> Work | None:
@@ -406,6 +431,7 @@ def barrier(
     )  # fmt: skip
 
 
+@guarded
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
     """Gloo barrier that names the ranks that failed to arrive within ``timeout``."""
     note_op("monitored_barrier", group, 0, None, False)
@@ -415,6 +441,7 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     return _timed("monitored_barrier", group, 0, False, dist.monitored_barrier, **kw)
 
 
+@guarded
 def broadcast_object_list(
     object_list: list[Any], src: int = 0, group: Any = None, device: torch.device | None = None
 ) -> None:
@@ -428,6 +455,7 @@ def broadcast_object_list(
     )  # fmt: skip
 
 
+@guarded
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Gather one picklable object per rank into ``object_list`` (rank order)."""
     note_op("all_gather_object", group, 1, None, False)

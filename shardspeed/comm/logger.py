@@ -21,13 +21,13 @@ a hang can be explained after the fact (:func:`recent_ops`).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import threading
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardspeed.comm.sequence import SEQUENCE, dtype_name
 from shardspeed.utils.logging import get_logger, log_dist
 
 logger = get_logger(__name__)
@@ -240,11 +240,32 @@ def log_summary(show_straggler: bool = False) -> str:
 _RECENT: deque[tuple[int, str, Any, int, Any, str | None, bool]] = deque(maxlen=RECENT_OPS_LEN)
 _SEQ = itertools.count()
 _TAG: list[str | None] = [None]
+_LAST = threading.local()  # per thread: the entry of the collective it issued last
 
 
 def note_op(op: str, group: Any, numel: int, dtype: Any, async_op: bool) -> None:
-    """Append one issued collective to the ring buffer (called by every wrapper)."""
-    _RECENT.append((next(_SEQ), op, group, numel, dtype, _TAG[0], async_op))
+    """Append one issued collective to the ring buffer (called by every wrapper).
+
+    When the collective-sequence check records (:data:`shardspeed.comm.sequence.SEQUENCE`),
+    the op is also folded into this rank's sequence fingerprint.
+    """
+    tag = _TAG[0]
+    entry = (next(_SEQ), op, group, numel, dtype, tag, async_op)
+    _RECENT.append(entry)
+    _LAST.entry = entry
+    if SEQUENCE.enabled:
+        SEQUENCE.record(op, group, numel, dtype, tag)
+
+
+def last_entry() -> tuple[Any, ...] | None:
+    """The ring-buffer entry ``(seq, op, group, numel, dtype, tag, async_op)`` of the
+    collective this thread issued last, or None."""
+    return getattr(_LAST, "entry", None)
+
+
+def recent_entries() -> list[tuple[Any, ...]]:
+    """The raw ring buffer, oldest first (for failure reports)."""
+    return list(_RECENT)
 
 
 def _group_size(group: Any) -> int | None:
@@ -273,7 +294,7 @@ def recent_ops() -> list[dict[str, Any]]:
                 "op": op,
                 "group_size": _group_size(group),
                 "numel": numel,
-                "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+                "dtype": dtype_name(dtype),
                 "tag": tag,
                 "async_op": async_op,
             }
@@ -281,15 +302,33 @@ def recent_ops() -> list[dict[str, Any]]:
     return out
 
 
-@contextlib.contextmanager
-def set_current_tag(tag: str) -> Iterator[None]:
-    """Label every collective issued inside the block (e.g. ``"zero.reduce_grads bucket 3"``)."""
-    previous = _TAG[0]
-    _TAG[0] = tag
-    try:
-        yield
-    finally:
-        _TAG[0] = previous
+class set_current_tag:  # noqa: N801 - a context manager with DeepSpeed-style function name
+    """Label every collective issued inside the block (e.g. ``"zero.reduce_grads bucket 3"``).
+
+    The label names the module or phase the collectives serve; it shows in
+    :func:`recent_ops`, in timeout reports and in the collective-sequence check. Blocks
+    nest (the innermost label wins). A plain class rather than a generator-based
+    context manager: hot paths (stage-3 gathers, bucket reductions) enter one per
+    collective.
+    """
+
+    __slots__ = ("_previous", "tag")
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self._previous: str | None = None
+
+    def __enter__(self) -> None:
+        self._previous = _TAG[0]
+        _TAG[0] = self.tag
+
+    def __exit__(self, *exc_info: object) -> None:
+        _TAG[0] = self._previous
+
+
+def current_tag() -> str | None:
+    """The label set by the innermost active :func:`set_current_tag` (None outside any)."""
+    return _TAG[0]
 
 
 def reset_state() -> None:
@@ -301,3 +340,5 @@ def reset_state() -> None:
     _RECENT.clear()
     _SEQ = itertools.count()
     _TAG[0] = None
+    _LAST.__dict__.clear()
+    SEQUENCE.reset()

@@ -18,6 +18,7 @@ from shardspeed.config.activation_checkpointing import ActivationCheckpointingCo
 from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain, lower_str
 from shardspeed.config.batch import resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
+from shardspeed.config.collective_check import CollectiveCheckConfig
 from shardspeed.config.legacy import UNMODELLED_KEYS, split_unmodelled
 from shardspeed.config.monitoring import (
     CometConfig,
@@ -206,6 +207,10 @@ class ShardSpeedConfig(ConfigModel):
     )
     comet: CometConfig = Field(default_factory=CometConfig, description="Comet monitor.")
     timers: TimersConfig = Field(default_factory=TimersConfig, description="Engine timers.")
+    collective_check: CollectiveCheckConfig = Field(
+        default_factory=CollectiveCheckConfig,
+        description="Compare ranks' collective sequences every N steps (ShardSpeed debug aid).",
+    )
 
     # -- checkpointing and I/O -----------------------------------------------------------------
     checkpoint: CheckpointConfig = Field(
