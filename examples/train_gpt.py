@@ -29,7 +29,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=-1, help="set by the launcher")
     p.add_argument("--nproc", type=int, default=2, help="ranks to launch when started directly")
     p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
-    p.add_argument("--offload", choices=["none", "cpu"], default="none", help="optimizer offload")
+    p.add_argument(
+        "--offload",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="optimizer offload: masters + optimizer state on the host (--zero 1-3) or in NVMe "
+        "swap files (--zero 3)",
+    )
+    p.add_argument(
+        "--offload-param",
+        choices=["none", "cpu", "nvme"],
+        default="none",
+        help="parameter-shard offload (--zero 3)",
+    )
+    p.add_argument(
+        "--nvme-path", default=None, help="directory for NVMe swap files (default: <out>/nvme)"
+    )
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--gas", type=int, default=1, help="gradient accumulation steps")
@@ -42,11 +57,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-generate", action="store_true")
     args = p.parse_args(argv)
-    if args.offload != "none" and args.zero != 3:
+    if args.offload != "none" and args.zero == 0:
         p.error(
-            f"--offload {args.offload} needs --zero 3 (optimizer offload is implemented for stage 3)"
+            f"--offload {args.offload} needs --zero 1, 2 or 3 (stage 0 has no sharded optimizer)"
+        )
+    if args.offload == "nvme" and args.zero != 3:
+        p.error("--offload nvme needs --zero 3 (use --offload cpu at stages 1-2)")
+    if args.offload_param != "none" and args.zero != 3:
+        p.error(
+            f"--offload-param {args.offload_param} needs --zero 3 (parameters are sharded there)"
         )
     return args
+
+
+def offload_block(device: str, args: argparse.Namespace) -> dict:
+    """An offload_optimizer / offload_param block; NVMe swap files go under --nvme-path."""
+    if device != "nvme":
+        return {"device": device}
+    path = Path(args.nvme_path or Path(args.out) / "nvme")
+    path.mkdir(parents=True, exist_ok=True)
+    return {"device": "nvme", "nvme_path": str(path)}
 
 
 def relaunch(args: argparse.Namespace) -> int:
@@ -81,7 +111,9 @@ def ds_config(args: argparse.Namespace, on_gpu: bool) -> dict:
         # (1e5 elements), which would keep them all unsharded; shard anything above 1000.
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
     if args.offload != "none":
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": args.offload}
+        cfg["zero_optimization"]["offload_optimizer"] = offload_block(args.offload, args)
+    if args.offload_param != "none":
+        cfg["zero_optimization"]["offload_param"] = offload_block(args.offload_param, args)
     return cfg
 
 

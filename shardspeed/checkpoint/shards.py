@@ -13,6 +13,7 @@ the load instead of the optimizer's ``_publish_params``); its ``flat_groups`` on
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ def master_fragments(engine: Any) -> Iterator[MasterFragment]:
         yield from custom()
         return
     names = param_names(engine.module)
+    replicated = _replicated_ids(engine)
     for group in engine.flat_groups:
         layout = group.layout
         writes = layout.shard_world_size > 1 or engine.dp_rank == 0
@@ -87,8 +89,17 @@ def master_fragments(engine: Any) -> Iterator[MasterFragment]:
                 length=length,
                 master=group.masters[bucket],
                 local=shard_off - layout.shard_offset(bucket),
-                writes=writes,
+                writes=writes and id(param) not in replicated,
             )
+
+
+def _replicated_ids(engine: Any) -> set[int]:
+    """Parameters another stage saves (a pipeline's tied copies): loaded, never written.
+
+    An engine opts in with ``checkpoint_replicated_params()``.
+    """
+    hook = getattr(engine, "checkpoint_replicated_params", None)
+    return {id(p) for p in hook()} if hook is not None else set()
 
 
 def trainable_ids(engine: Any) -> set[int]:
@@ -104,15 +115,36 @@ def _is_elementwise_state(value: Any, master: torch.Tensor) -> bool:
 
 
 class FragmentWriter:
-    """Collects one rank's tensors (flattened, on CPU) and their metadata entries."""
+    """Collects one rank's tensors (flattened host copies) and their metadata entries.
+
+    Every tensor is copied, so the snapshot stays valid while training goes on (async
+    save). Device tensors go to pinned host memory with non-blocking copies; call
+    :meth:`synchronize` before using the copies.
+    """
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.entries: list[dict[str, Any]] = []
+        self._devices: set[torch.device] = set()
+
+    def _host_copy(self, data: torch.Tensor) -> torch.Tensor:
+        flat = data.detach().reshape(-1)
+        if flat.device.type != "cuda":
+            return flat.to("cpu", copy=True).contiguous()
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        self._devices.add(flat.device)
+        return host
+
+    def synchronize(self) -> None:
+        """Wait for the pending device-to-host copies."""
+        for device in self._devices:
+            torch.cuda.synchronize(device)
+        self._devices.clear()
 
     def add(self, name: str, kind: str, shape: list[int], start: int, data: torch.Tensor) -> None:
         key = tensor_key(name, kind, start, start + data.numel())
-        self.tensors[key] = data.detach().reshape(-1).to("cpu", copy=True).contiguous()
+        self.tensors[key] = self._host_copy(data)
         self.entries.append(
             {
                 "key": key,
@@ -136,11 +168,27 @@ def _scalar_state(value: Any, master: torch.Tensor) -> dict[str, Any]:
     return {"value": value}
 
 
+def optimizer_state_access(engine: Any, *, write: bool) -> contextlib.AbstractContextManager:
+    """Masters and optimizer state readable (with ``write``: writable) inside the block.
+
+    A no-op unless the optimizer swaps them to NVMe (``offload_optimizer.device: nvme``):
+    then its ``state_resident(write)`` reads them into host memory for the block and, with
+    ``write``, stores them back (and into the parameter shards) on exit.
+    """
+    hook = getattr(engine.optimizer, "state_resident", None)
+    return hook(write=write) if hook is not None else contextlib.nullcontext()
+
+
 def collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: bool) -> list[Any]:
-    """Add this rank's master/optimizer-state fragments (+ frozen/buffers on rank 0).
+    """Add this rank's master/optimizer-state fragments (+ frozen/buffers on dp rank 0).
 
     Returns the scalar optimizer state per flat group (e.g. Adam's ``step``) as JSON.
     """
+    with optimizer_state_access(engine, write=False):
+        return _collect_fragments(engine, writer, exclude_frozen=exclude_frozen)
+
+
+def _collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: bool) -> list[Any]:
     opt = engine.basic_optimizer
     scalars: list[dict[str, Any]] = []
     for group in engine.flat_groups:
@@ -162,7 +210,7 @@ def collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: bo
         for kind, src in sources.items():
             piece = src.reshape(-1)[frag.local : frag.local + frag.length]
             writer.add(frag.name, kind, frag.shape, frag.start, piece)
-    if engine.global_rank == 0:
+    if engine.dp_rank == 0:  # rank 0 of each pipeline stage; duplicates are dropped by the index
         trainable = trainable_ids(engine)
         if not exclude_frozen:
             for name, p in engine.module.named_parameters():
@@ -231,6 +279,18 @@ def load_fragments(
     strict: bool,
 ) -> None:
     """Refill this rank's masters (and optimizer state) from any saved layout."""
+    with optimizer_state_access(engine, write=True):
+        _load_fragments(engine, reader, manifest, optimizer_states=optimizer_states, strict=strict)
+
+
+def _load_fragments(
+    engine: Any,
+    reader: SliceReader,
+    manifest: dict[str, Any],
+    *,
+    optimizer_states: bool,
+    strict: bool,
+) -> None:
     index = manifest["index"]
     opt = engine.basic_optimizer if optimizer_states else None
     kinds = sorted({k for e in index.values() for k in e["kinds"]} - NON_OPTIMIZER_KINDS)

@@ -25,6 +25,7 @@ from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.utils.logging import get_logger, log_dist
 from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.offload import OffloadRuntime
 from shardspeed.zero.optimizer import ShardedOptimizer, StepResult
 from shardspeed.zero.reducer import GradReducer
 
@@ -52,16 +53,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 f"zero_optimization.stage={self.stage} is handled by the stage-3 engine; "
                 "this engine implements stages 0-2."
             )
-        offload = config.zero_optimization.offload_optimizer
-        if offload is not None and offload.device != "none":
-            raise ValueError(
-                f"zero_optimization.offload_optimizer.device={offload.device!r} is implemented for "
-                f"ZeRO stage 3 only; this config uses stage {self.stage}. Set "
-                "zero_optimization.stage to 3, or remove offload_optimizer."
-            )
 
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
+        self.offload = self._build_offload(
+            optimizer, sum(p.numel() for g in groups for p in g["params"])
+        )
         self.flat_groups = self._build_flat_groups(groups)
         self.basic_optimizer = rebind_optimizer(
             optimizer, config.optimizer, groups, [g.masters for g in self.flat_groups]
@@ -104,7 +101,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             f"param dtype {self.precision.param_dtype}, "
             f"{sum(p.numel() for g in groups for p in g['params']):,} trainable parameters, "
             f"micro batch {config.train_micro_batch_size_per_gpu}, "
-            f"GAS {config.gradient_accumulation_steps}"
+            f"GAS {config.gradient_accumulation_steps}, {self.offload.policy.describe()}"
         )
 
     # -- construction helpers ------------------------------------------------------------
@@ -133,6 +130,21 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self._boundary_override: bool | None = None
         self._last_step: StepResult | None = None
         self._in_no_sync = False
+        self.collective_check = comm.CollectiveSequenceCheck.from_config(
+            config.collective_check, dp_group, self.device
+        )
+
+    def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
+        """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""
+        return OffloadRuntime.from_config(
+            self._config,
+            has_optimizer=optimizer is not None or self._config.optimizer is not None,
+            rank=self.global_rank,
+            device=self.device,
+            numel_per_rank=-(-numel // self.dp_world_size),
+            param_dtype=self.precision.param_dtype,
+            master_dtype=self.precision.master_dtype,
+        )
 
     def _build_flat_groups(self, groups: list[dict[str, Any]]) -> list[FlatGroup]:
         p = self.precision
@@ -149,6 +161,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 master_dtype=p.master_dtype,
                 full_grads=self.stage <= 1,
                 device=self.device,
+                offload=self.offload,
             )
             for g in groups
         ]
@@ -255,7 +268,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 "'optimizer' block to the config."
             )
         self.reporter.start("step")
-        self._last_step = self.optimizer.step()
+        with comm.set_current_tag("optimizer.step"):  # labels the norm / all-gather collectives
+            self._last_step = self.optimizer.step()
         if self._last_step.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
@@ -265,6 +279,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self.global_samples += self._config.train_batch_size
         self.reporter.stop("step")
         self.reporter.after_step()
+        self.collective_check.step_boundary(self.global_steps)  # debug: ranks' sequences agree?
 
     def zero_grad(self) -> None:
         if self.optimizer is not None:
@@ -362,13 +377,29 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        async_save: bool | None = None,
     ) -> bool:
-        """Collective: every rank writes its own shards under ``save_dir/tag``."""
+        """Collective: every rank writes its own shards under ``save_dir/tag``.
+
+        ``async_save`` (default: config ``checkpoint.async_save``) writes in the background.
+        """
         from shardspeed.checkpoint.engine_api import save_checkpoint
 
         return save_checkpoint(
-            self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+            self,
+            save_dir,
+            tag,
+            client_state or {},
+            save_latest,
+            exclude_frozen_parameters,
+            async_save=async_save,
         )
+
+    def wait_checkpoint(self) -> None:
+        """Wait for this rank's asynchronous save to be published; raise if it failed."""
+        from shardspeed.checkpoint.engine_api import wait_checkpoint
+
+        wait_checkpoint(self)
 
     def load_checkpoint(
         self,
@@ -406,6 +437,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     save_fp16_model = save_16bit_model
 
     def destroy(self) -> None:
-        """Remove hooks and drop references (accelerate calls this)."""
+        """Remove hooks and drop references (accelerate calls this).
+
+        Waits for an asynchronous checkpoint save and raises if it failed.
+        """
         self.reducer.remove_hooks()
         self.reporter.close()
+        self.wait_checkpoint()
+        self.offload.close()  # finish swap I/O, delete swap files

@@ -1,10 +1,25 @@
-"""Per-rank memory accounting for the engine (``engine.memory_breakdown()``)."""
+"""Per-rank memory accounting for the engines (``engine.memory_breakdown()``).
+
+Categories (bytes held in memory by this rank, wherever it is): ``params``, ``grads``,
+``master_params``, ``optimizer_state``, ``buffers``, ``swap_buffers`` (NVMe staging
+buffers), and their sum ``total``. With offload, part of that total is in host memory
+rather than on the accelerator; the breakdown says how much:
+
+* ``host``: bytes of ``total`` that offload keeps in host memory (masters, optimizer
+  state, host gradient copies, parameter shards, swap buffers);
+* ``device``: ``total - host``;
+* ``nvme``: bytes in this rank's swap files (not part of ``total``).
+
+State swapped to NVMe is not in memory between steps, so it counts under ``nvme`` only.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "buffers", "swap_buffers")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -23,20 +38,44 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return total
 
 
+def _managed_param_ids(group: Any) -> set[int]:
+    flats = getattr(group, "flats", None)  # a stage-3 group: one ShardedFlat per unit
+    params = [p for f in flats for p in f.params] if flats is not None else group.params
+    return {id(p) for p in params}
+
+
 def memory_breakdown(engine: Any) -> dict[str, int]:
-    """Bytes held on this rank: params, grads, master_params, optimizer_state, buffers, total."""
-    flat_ids = {id(p) for g in engine.flat_groups for p in g.params}
-    out = {"params": 0, "grads": 0, "master_params": 0}
+    """Bytes held on this rank by category, plus ``total``, ``host``, ``device``, ``nvme``.
+
+    Works for every engine with ``flat_groups`` (each with ``storage_bytes()``), a
+    ``module``, a ``basic_optimizer`` and an ``offload`` runtime.
+    """
+    out = dict.fromkeys(CATEGORIES, 0)
+    host = 0
+    managed: set[int] = set()
     for group in engine.flat_groups:
+        managed |= _managed_param_ids(group)
         for key, value in group.storage_bytes().items():
-            out[key] += value
+            if key == "host":
+                host += value
+            else:
+                out[key] += value
     seen: set[int] = set()
     for p in engine.module.parameters():
-        if id(p) in flat_ids or id(p) in seen:
+        if id(p) in managed or id(p) in seen:
             continue
         seen.add(id(p))
-        out["params"] += _nbytes(p)  # frozen parameters
+        out["params"] += _nbytes(p)  # frozen parameters, kept whole on every rank
     out["optimizer_state"] = optimizer_state_bytes(engine.basic_optimizer)
     out["buffers"] = sum(_nbytes(b) for b in engine.module.buffers())
-    out["total"] = sum(out.values())
+    offload = getattr(engine, "offload", None)
+    swap = offload.storage_bytes() if offload is not None else {"swap_buffers": 0, "nvme": 0}
+    out["swap_buffers"] = swap["swap_buffers"]
+    if offload is not None and offload.offload_optimizer:
+        host += out["optimizer_state"]  # the optimizer runs on the host masters
+    host += out["swap_buffers"]
+    out["total"] = sum(out[k] for k in CATEGORIES)
+    out["host"] = host
+    out["device"] = out["total"] - host
+    out["nvme"] = swap["nvme"]
     return out

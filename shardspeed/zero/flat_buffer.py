@@ -11,15 +11,23 @@ gradient storage depends on the sharding stage:
   exist only transiently until their bucket is reduce-scattered.
 
 The optimizer updates one *master* tensor per bucket: this rank's slice of the bucket in
-fp32. For fp32 training the master *is* a view of ``flat_param`` (no copy).
+fp32. For fp32 training the master *is* a view of ``flat_param`` (no copy). With
+optimizer offload (``offload`` given and offloading) the masters are separate host
+tensors and each bucket has a host gradient buffer (``host_grads``) that the reduced
+gradient slice is copied into for the step.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
 from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout
+
+if TYPE_CHECKING:
+    from shardspeed.zero.offload import OffloadRuntime
 
 
 class FlatGroup:
@@ -37,8 +45,10 @@ class FlatGroup:
         master_dtype: torch.dtype,
         full_grads: bool,
         device: torch.device,
+        offload: OffloadRuntime | None = None,
     ) -> None:
         self.params = params
+        self.offload = offload
         self.shard_rank = shard_rank
         self.layout: FlatLayout = build_layout(
             [p.numel() for p in params], bucket_size, shard_world_size
@@ -69,14 +79,20 @@ class FlatGroup:
             ]
 
         # Masters: this rank's slice of every bucket, in master dtype.
+        offloaded = offload is not None and offload.offload_optimizer
         self.masters: list[torch.Tensor] = []
+        self.host_grads: list[torch.Tensor] = []  # (shard_numel,) master dtype, with offload
         for bucket in self.layout.buckets:
             shard = self.param_shard(bucket)
-            if param_dtype == master_dtype:
+            if offloaded:
+                assert offload is not None
+                self.masters.append(offload.new_master(shard, master_dtype))
+                self.host_grads.append(offload.new_host_grad(shard.numel(), master_dtype))
+            elif param_dtype == master_dtype:
                 self.masters.append(shard)  # alias: the optimizer updates the params in place
             else:
                 self.masters.append(shard.to(master_dtype).clone())
-        self.masters_alias_params = param_dtype == master_dtype
+        self.masters_alias_params = param_dtype == master_dtype and not offloaded
 
     # -- views ------------------------------------------------------------------------
     @property
@@ -113,6 +129,19 @@ class FlatGroup:
             return self.flat_grad[lo:hi]
         return self.shard_grads[bucket.index]
 
+    def optimizer_grad(self, bucket: BucketSpec) -> torch.Tensor:
+        """The gradient the optimizer reads: the shard itself, or (offload) its host copy.
+
+        The device -> host copy is asynchronous from pinned memory; the caller
+        synchronises the device before reading it.
+        """
+        grad = self.shard_grad(bucket)
+        if not self.host_grads:
+            return grad
+        host = self.host_grads[bucket.index]
+        host.copy_(grad, non_blocking=host.is_pinned())
+        return host
+
     # -- updates ------------------------------------------------------------------------
     def zero_grads(self) -> None:
         if self.flat_grad is not None:
@@ -127,8 +156,14 @@ class FlatGroup:
         """Write updated masters back into this rank's slices of ``flat_param``."""
         if self.masters_alias_params:
             return
-        for bucket, master in zip(self.buckets, self.masters):
-            self.param_shard(bucket).copy_(master)
+        for index in range(len(self.masters)):
+            self.copy_master_to_params(index)
+
+    @torch.no_grad()
+    def copy_master_to_params(self, index: int) -> None:
+        """Write master ``index`` (bucket ``index``) into this rank's slice of ``flat_param``."""
+        if not self.masters_alias_params:
+            self.param_shard(self.buckets[index]).copy_(self.masters[index])
 
     @torch.no_grad()
     def pack_bucket_grads(self, bucket: BucketSpec, out: torch.Tensor) -> None:
@@ -146,16 +181,20 @@ class FlatGroup:
             self.params[idx].grad = None
 
     def storage_bytes(self) -> dict[str, int]:
-        """Persistent bytes this group holds, by category."""
-        grads = 0
+        """Persistent bytes this group holds in memory, by category; ``host`` is the part of
+        them that optimizer offload keeps in host memory (masters swapped to NVMe hold none)."""
+
+        def nbytes(tensors: list[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        grads = nbytes(self.shard_grads) + nbytes(self.host_grads)
         if self.flat_grad is not None:
-            grads += self.flat_grad.numel() * self.flat_grad.element_size()
-        grads += sum(g.numel() * g.element_size() for g in self.shard_grads)
-        masters = 0
-        if not self.masters_alias_params:
-            masters = sum(m.numel() * m.element_size() for m in self.masters)
+            grads += nbytes([self.flat_grad])
+        masters = 0 if self.masters_alias_params else nbytes(self.masters)
+        host = nbytes(self.host_grads) + (masters if self.host_grads else 0)
         return {
-            "params": self.flat_param.numel() * self.flat_param.element_size(),
+            "params": nbytes([self.flat_param]),
             "grads": grads,
             "master_params": masters,
+            "host": host,
         }

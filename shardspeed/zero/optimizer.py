@@ -2,12 +2,22 @@
 
 ``step()`` reads like the algorithm: finish gradient reduction, unscale into master
 gradients, detect overflow, clip by the global norm, update, write back, all-gather.
+
+With optimizer offload the masters live on the host: the master gradients are host
+copies of the gradient shards, and the norm is reduced on the device. With NVMe offload
+the groups' :class:`~shardspeed.zero.offload.OffloadRuntime` holds an
+:class:`~shardspeed.zero.offload.optimizer_swapper.OptimizerSwapper`: the update swaps
+one master (and its optimizer state) in at a time, and the master gradients are kept
+here (``_grads``) rather than on the swapped-out masters.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,6 +26,7 @@ from shardspeed import comm
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.utils.logging import get_logger
 from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.offload.host import synchronize
 from shardspeed.zero.reducer import GradReducer
 
 logger = get_logger(__name__)
@@ -56,6 +67,15 @@ class ShardedOptimizer:
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
+        self._grads: list[torch.Tensor] = []  # master gradients of the current step
+        runtime = getattr(groups[0], "offload", None) if groups else None
+        self.swapper = runtime.optimizer_swapper if runtime is not None else None
+        if self.swapper is not None:
+            masters = [m for g in groups for m in g.masters]
+            write_backs = [
+                partial(g.copy_master_to_params, i) for g in groups for i in range(len(g.masters))
+            ]
+            self.swapper.attach(inner, masters, write_backs)
 
     # -- torch.optim.Optimizer-like surface ----------------------------------------------
     @property
@@ -75,12 +95,33 @@ class ShardedOptimizer:
             group.zero_grads()
             for master in group.masters:
                 master.grad = None
+        self._grads = []
+
+    @contextlib.contextmanager
+    def state_resident(self, write: bool) -> Iterator[None]:
+        """Masters and optimizer state readable (and, with ``write``, writable) in the block.
+
+        A no-op unless they are swapped to NVMe: then every master and its state is read
+        into host memory for the block and, with ``write``, written back (and into the
+        parameter shards) on exit. The checkpoint code wraps its reads and writes in it.
+        """
+        if self.swapper is None:
+            yield
+            return
+        with self.swapper.resident(write):
+            yield
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        if self.swapper is None:
+            return self.optimizer.state_dict()
+        with self.state_resident(write=False):
+            sd = self.optimizer.state_dict()
+            # per-master dicts are the optimizer's own, which swapping out empties again
+            return {**sd, "state": {k: dict(v) for k, v in sd["state"].items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        with self.state_resident(write=True):
+            self.optimizer.load_state_dict(state_dict)
 
     @property
     def cur_scale(self) -> float:
@@ -97,34 +138,46 @@ class ShardedOptimizer:
             self.zero_grad()
             return StepResult(applied=False, grad_norm=grad_norm)
         self._clip(grad_norm)
-        self.optimizer.step()
+        self._update_masters()
         self._publish_params()
         self.loss_scaler.update(overflow=False)
         self.zero_grad()
         return StepResult(applied=True, grad_norm=grad_norm)
 
     def _unscale_into_master_grads(self, inv_scale: float) -> None:
-        for group in self.groups:
-            for bucket, master in zip(group.buckets, group.masters):
-                grad = group.shard_grad(bucket)
-                if grad.dtype == master.dtype:
-                    if inv_scale != 1.0:
-                        grad.mul_(inv_scale)
-                    master.grad = grad
-                else:
-                    master.grad = grad.to(master.dtype).mul_(inv_scale)
+        # optimizer_grad() starts the device -> host copies (offload); wait for them once
+        pairs = [
+            (master, group.optimizer_grad(bucket))
+            for group in self.groups
+            for bucket, master in zip(group.buckets, group.masters)
+        ]
+        if any(g.device.type == "cpu" for _, g in pairs):
+            synchronize(self._device())  # no-op when the device is the CPU
+        self._grads = []
+        for master, grad in pairs:
+            if grad.dtype == master.dtype:
+                if inv_scale != 1.0:
+                    grad.mul_(inv_scale)
+            else:
+                grad = grad.to(master.dtype).mul_(inv_scale)
+            self._grads.append(grad)
+            if self.swapper is None:  # a swapped-out master has no data to match
+                master.grad = grad
 
     def master_grads(self) -> list[torch.Tensor]:
-        return [m.grad for g in self.groups for m in g.masters if m.grad is not None]
+        return list(self._grads)
+
+    def _device(self) -> torch.device:
+        """The device collectives run on (where the parameter shards are)."""
+        return self.groups[0].device if self.groups else torch.device("cpu")
 
     def _global_grad_norm(self) -> float:
         grads = self.master_grads()
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
-            sq = torch.stack([n.float() for n in norms]).pow(2).sum()
+            sq = torch.stack([n.float() for n in norms]).pow(2).sum().to(self._device())
         else:
-            device = self.groups[0].device if self.groups else torch.device("cpu")
-            sq = torch.zeros((), dtype=torch.float32, device=device)
+            sq = torch.zeros((), dtype=torch.float32, device=self._device())
         if self.stage >= 1 and self.dp_world_size > 1:
             comm.all_reduce(sq, group=self.dp_group)
         return float(sq.sqrt())
@@ -136,11 +189,24 @@ class ShardedOptimizer:
         if coef < 1.0:
             torch._foreach_mul_(self.master_grads(), coef)
 
+    def _update_masters(self) -> None:
+        """The torch optimizer's update of every master (one at a time when swapped)."""
+        if self.swapper is None:
+            self.optimizer.step()
+        else:
+            self.swapper.step(list(self._grads))
+
+    def _copy_masters_to_params(self) -> None:
+        """Masters -> parameter shards (the NVMe swapper did it as each master stepped)."""
+        if self.swapper is None:
+            for group in self.groups:
+                group.copy_masters_to_params()
+
     def _publish_params(self) -> None:
         """Write masters into the parameter shards and all-gather the full parameters."""
+        self._copy_masters_to_params()
         works = []
         for group in self.groups:
-            group.copy_masters_to_params()
             if self.stage == 0 or self.dp_world_size == 1:
                 continue
             for bucket in group.buckets:

@@ -6,6 +6,10 @@ parameters of one optimizer param group form a :class:`ShardedFlat`: a single pa
 bucket laid out by :func:`shardspeed.zero.partition.build_layout` (world = dp size), of
 which this rank keeps only slice ``rank`` persistently (``shard``, param dtype).
 
+Where the shard lives between uses (device, host memory or an NVMe swap file) is its
+``storage`` (:mod:`shardspeed.zero.offload.shard_storage`), chosen by the engine's offload
+runtime; the gather always all-gathers from a device tensor.
+
 Outside use, ``param.data`` is an empty tensor; the attributes DeepSpeed users rely on
 are kept on every managed parameter: ``ds_shape``, ``ds_numel``, ``ds_status``,
 ``ds_id`` and ``ds_tensor`` (this rank's piece of the parameter, possibly empty).
@@ -19,7 +23,9 @@ import torch
 import torch.nn as nn
 
 from shardspeed import comm
-from shardspeed.zero.offload import host_zeros
+from shardspeed.zero.init_partition import full_shape, take_full_data
+from shardspeed.zero.offload import OffloadRuntime
+from shardspeed.zero.offload.shard_storage import DeviceShard, ShardStorage
 from shardspeed.zero.partition import build_layout, param_shard_fragments
 
 
@@ -48,8 +54,7 @@ class ShardedFlat:
         master_dtype: torch.dtype,
         device: torch.device,
         persistent: bool,
-        offload: bool,
-        pin_memory: bool,
+        offload: OffloadRuntime | None = None,
     ) -> None:
         self.params = params
         self.unit_id = unit_id
@@ -59,31 +64,25 @@ class ShardedFlat:
         self.device = device
         self.persistent = persistent
         self.offload = offload
-        total = sum(p.numel() for p in params)
-        self.layout = build_layout([p.numel() for p in params], max(total, 1), world)
+        shapes = [full_shape(p) for p in params]  # ds_shape of zero.Init-partitioned params
+        numels = [shape.numel() for shape in shapes]
+        self.layout = build_layout(numels, max(sum(numels), 1), world)
         self.bucket = self.layout.buckets[0]
         self.numel = self.bucket.numel  # padded full size: (world * shard_numel,)
         # full: (numel,) in param dtype, params packed at their slots (rest zero padding).
         full = torch.zeros(self.numel, dtype=param_dtype, device=device)
         for slot, p in zip(self.layout.slots, params):
-            full[slot.offset : slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            # zero.Init-partitioned params: all-gathered from their pieces, which are then freed
+            full[slot.offset : slot.offset + slot.numel].copy_(take_full_data(p).reshape(-1))
         lo, hi = self.bucket.shard_range(rank)
         self.shard = full[lo:hi].clone()  # (numel / world,)
         self.grad_shard = torch.zeros_like(self.shard, dtype=grad_dtype)
-        self.host_grad: torch.Tensor | None = None
-        if offload:
-            self.master = host_zeros(self.shard.numel(), master_dtype, pin_memory)
-            self.master.copy_(self.shard)
-            self.host_grad = host_zeros(self.shard.numel(), master_dtype, pin_memory)
-        elif param_dtype == master_dtype:
-            self.master = self.shard  # alias: the optimizer updates the shard in place
-        else:
-            self.master = self.shard.to(master_dtype).clone()
+        self._place_shard_and_master(master_dtype)
         self.full: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, object | None] | None = None
-        for i, p in enumerate(params):
-            p.ds_shape = p.shape
-            p.ds_numel = p.numel()
+        for i, (p, shape) in enumerate(zip(params, shapes)):
+            p.ds_shape = shape
+            p.ds_numel = shape.numel()
             p.ds_id = first_param_id + i
             p.ds_persist = persistent
             p._ss_flat = self  # noqa: SLF001 - lookup for GatheredParameters
@@ -92,6 +91,33 @@ class ShardedFlat:
             self._attach(full)
         else:
             self.release()
+
+    @torch.no_grad()
+    def _place_shard_and_master(self, master_dtype: torch.dtype) -> None:
+        """Move the packed device shard to its storage (device, host or NVMe: the offload
+        runtime decides) and create the master and the host gradient buffer.
+
+        ``self.shard`` is then the resident shard (device tensor or separate host tensor),
+        or None when it lives in an NVMe swap file.
+        """
+        shard = self.shard  # (shard_numel,) param dtype, on the device
+        assert shard is not None
+        self.shard_numel = shard.numel()
+        self.param_dtype = shard.dtype
+        self.host_grad: torch.Tensor | None = None
+        runtime = self.offload
+        if runtime is not None and runtime.offload_optimizer:
+            self.master = runtime.new_master(shard, master_dtype)
+            self.host_grad = runtime.new_host_grad(shard.numel(), master_dtype)
+        elif shard.dtype == master_dtype and (runtime is None or not runtime.offload_param):
+            self.master = shard  # alias: the optimizer updates the shard in place
+        else:
+            self.master = shard.to(master_dtype).clone()  # on the device
+        self.storage: ShardStorage = (
+            runtime.shard_storage(shard) if runtime is not None else DeviceShard(shard)
+        )
+        self.shard = self.storage.resident
+        self._gather_src: torch.Tensor | None = None
 
     # -- status -------------------------------------------------------------------------
     @property
@@ -105,12 +131,15 @@ class ShardedFlat:
     def _set_ds_tensors(self) -> None:
         owned = {idx: (start, length, off) for idx, start, length, off in
                  param_shard_fragments(self.layout, self.rank)}  # fmt: skip
+        if self.shard is None:  # NVMe parameter offload: the shard is in a swap file
+            owned = {}
+        shard = self.shard if self.shard is not None else torch.empty(0, dtype=self.param_dtype)
         for i, p in enumerate(self.params):
             if i in owned:
                 _, length, off = owned[i]
-                p.ds_tensor = self.shard[off : off + length]
+                p.ds_tensor = shard[off : off + length]
             else:
-                p.ds_tensor = self.shard[:0]
+                p.ds_tensor = shard[:0]
 
     def _set_status(self, status: ZeroParamStatus) -> None:
         for p in self.params:
@@ -121,12 +150,15 @@ class ShardedFlat:
         """Launch the all-gather of the full buffer (asynchronous where the backend allows)."""
         if self.full is not None or self._pending is not None:
             return
-        out = torch.empty(self.numel, dtype=self.shard.dtype, device=self.device)
+        # (shard_numel,) on the device: the shard itself, or a copy from host / NVMe
+        src = self.storage.gather_source()
+        out = torch.empty(self.numel, dtype=self.param_dtype, device=self.device)
         if self.world == 1:
-            out.copy_(self.shard)
+            out.copy_(src)
             work = None
         else:
-            work = comm.all_gather_into_tensor(out, self.shard, group=self.dp_group, async_op=True)
+            work = comm.all_gather_into_tensor(out, src, group=self.dp_group, async_op=True)
+        self._gather_src = src  # alive until the gather finishes
         self._pending = (out, work)
         self._set_status(ZeroParamStatus.INFLIGHT)
 
@@ -138,6 +170,7 @@ class ShardedFlat:
         self._pending = None
         if work is not None:
             work.wait()
+        self._gather_src = None
         self._attach(out)
 
     def gather(self) -> None:
@@ -154,7 +187,7 @@ class ShardedFlat:
         """Drop the full buffer; parameters become empty tensors again."""
         self.wait_gather()
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.shard.dtype, device=self.device)
+            p.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.full = None
         self._set_status(ZeroParamStatus.NOT_AVAILABLE)
 
@@ -163,9 +196,14 @@ class ShardedFlat:
         """After an in-place edit of the gathered params: copy this rank's slice into shard/master."""
         assert self.full is not None
         lo, hi = self.bucket.shard_range(self.rank)
-        self.shard.copy_(self.full[lo:hi])
-        if self.master is not self.shard:
-            self.master.copy_(self.shard)
+        values = self.full[lo:hi]
+        self.storage.store(values)
+        if self.master is self.shard:
+            return
+        if self.offload is not None:
+            self.offload.overwrite_master(self.master, values)  # host or NVMe master
+        else:
+            self.master.copy_(values)
 
     # -- gradients ----------------------------------------------------------------------
     @torch.no_grad()
@@ -178,25 +216,37 @@ class ShardedFlat:
                 p.grad = None
 
     def optimizer_grad(self) -> torch.Tensor:
-        """The gradient shard the optimizer reads: the host copy when offloading."""
+        """The gradient shard the optimizer reads: the host copy when offloading.
+
+        The device -> host copy is asynchronous from pinned memory; the optimizer
+        synchronises the device before reading it.
+        """
         if self.host_grad is not None:
-            self.host_grad.copy_(self.grad_shard)
+            self.host_grad.copy_(self.grad_shard, non_blocking=self.host_grad.is_pinned())
             return self.host_grad
         return self.grad_shard
 
     @torch.no_grad()
     def copy_master_to_shard(self) -> None:
+        """Write the (updated) master into the shard, wherever the shard lives."""
         if self.master is not self.shard:
-            self.shard.copy_(self.master)
+            self.storage.store(self.master)
 
     def storage_bytes(self) -> dict[str, int]:
+        """Bytes held in memory by category; ``host`` is the part in host memory because of
+        offload (an NVMe-swapped shard or master holds none)."""
+
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
+        shard = self.storage.storage_bytes()
+        master = 0 if self.master is self.shard else nbytes(self.master)
+        host_master = master if self.host_grad is not None else 0
         return {
-            "params": nbytes(self.shard) + nbytes(self.full),
+            "params": shard.get("params", 0) + nbytes(self.full),
             "grads": nbytes(self.grad_shard) + nbytes(self.host_grad),
-            "master_params": 0 if self.master is self.shard else nbytes(self.master),
+            "master_params": master,
+            "host": shard.get("host", 0) + nbytes(self.host_grad) + host_master,
         }
 
 
@@ -312,9 +362,10 @@ class FetchCoordinator:
         if unit.available():
             return
         if all(f.status is ZeroParamStatus.NOT_AVAILABLE for f in unit.flats):
-            self.check(unit.id + 1, f"{what} unit {unit.name}")
-            for f in unit.flats:
-                f.start_gather()
+            with comm.set_current_tag(f"zero3.{what} unit {unit.name}"):
+                self.check(unit.id + 1, f"{what} unit {unit.name}")
+                for f in unit.flats:
+                    f.start_gather()
         for f in unit.flats:
             f.wait_gather()
 
@@ -323,9 +374,10 @@ class FetchCoordinator:
             return
         if any(f.status is not ZeroParamStatus.NOT_AVAILABLE for f in unit.flats):
             return
-        self.check(unit.id + 1, f"prefetch unit {unit.name}")
-        for f in unit.flats:
-            f.start_gather()
+        with comm.set_current_tag(f"zero3.prefetch unit {unit.name}"):
+            self.check(unit.id + 1, f"prefetch unit {unit.name}")
+            for f in unit.flats:
+                f.start_gather()
 
     def release(self, unit: Unit) -> None:
         self.kept.discard(unit.id)

@@ -125,6 +125,10 @@ class GradReducer:
     @torch.no_grad()
     def _launch(self, pos: int) -> None:
         g, b = self.order[pos]
+        with comm.set_current_tag(f"zero{self.stage}.reduce_grads group {g} bucket {b}"):
+            self._launch_bucket(g, b)
+
+    def _launch_bucket(self, g: int, b: int) -> None:
         group = self.groups[g]
         bucket = group.buckets[b]
         if group.flat_grad is not None:

@@ -22,11 +22,10 @@ from shardspeed import comm
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.runtime.engine import ShardSpeedEngine
-from shardspeed.runtime.memory import optimizer_state_bytes
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.utils.logging import get_logger, log_dist
-from shardspeed.zero.offload import OffloadPolicy
+from shardspeed.zero.init_partition import full_numel, materialize_init_params
 from shardspeed.zero.optimizer import ShardedOptimizer
 from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
 from shardspeed.zero.reducer import backend_of
@@ -85,7 +84,19 @@ class Stage3Group:
     def masters(self) -> list[torch.Tensor]:
         return [f.master for f in self.flats]
 
+    @property
+    def device(self) -> torch.device:
+        return self.flats[0].device
+
+    @property
+    def offload(self) -> Any:
+        """The engine's OffloadRuntime (the optimizer asks it for the NVMe swapper)."""
+        return self.flats[0].offload if self.flats else None
+
     def shard_grad(self, flat: ShardedFlat) -> torch.Tensor:
+        return flat.optimizer_grad()
+
+    def optimizer_grad(self, flat: ShardedFlat) -> torch.Tensor:
         return flat.optimizer_grad()
 
     def param_shard(self, flat: ShardedFlat) -> torch.Tensor:
@@ -98,6 +109,16 @@ class Stage3Group:
     def copy_masters_to_params(self) -> None:
         for f in self.flats:
             f.copy_master_to_shard()
+
+    def copy_master_to_params(self, index: int) -> None:
+        self.flats[index].copy_master_to_shard()
+
+    def storage_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.flats:
+            for key, value in f.storage_bytes().items():
+                out[key] = out.get(key, 0) + value
+        return out
 
 
 class Stage3Reducer:
@@ -165,6 +186,11 @@ class Stage3Reducer:
     @torch.no_grad()
     def _launch(self, i: int) -> None:
         flat = self.order[i]
+        unit = self.units[flat.unit_id].name if flat.unit_id >= 0 else "<persistent>"
+        with comm.set_current_tag(f"zero3.reduce_grads unit {unit} (flat {i})"):
+            self._launch_flat(i, flat)
+
+    def _launch_flat(self, i: int, flat: ShardedFlat) -> None:
         self.next_launch = i + 1
         self.check(-(i + 1), f"reduce-scatter the gradients of flat {i} (unit {flat.unit_id})")
         buf = torch.empty(flat.numel, dtype=self.reduce_dtype, device=flat.device)
@@ -180,7 +206,7 @@ class Stage3Reducer:
             lo, hi = flat.bucket.shard_range(flat.rank)
             out = buf[lo:hi]
         else:
-            out = torch.empty(flat.shard.numel(), dtype=self.reduce_dtype, device=buf.device)
+            out = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=buf.device)
             work = comm.reduce_scatter_tensor(out, buf, group=self.dp_group, async_op=True)
         self.in_flight.append((flat, out, work))
 
@@ -216,8 +242,7 @@ class Stage3Optimizer(ShardedOptimizer):
     device: torch.device
 
     def _publish_params(self) -> None:
-        for group in self.groups:
-            group.copy_masters_to_params()
+        self._copy_masters_to_params()
         self.coordinator.release_all()  # stale full buffers; gathered again on next use
         for i, flat in enumerate(self.persistent):
             flat.release()
@@ -252,10 +277,12 @@ class Stage3Engine(ShardSpeedEngine):
         nn.Module.__init__(self)
         self._init_state(model, config, mpu, dp_group)
         zc = config.zero_optimization
-        self.offload = OffloadPolicy.from_zero_config(zc)
 
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
+        self.offload = self._build_offload(
+            optimizer, sum(full_numel(p) for g in groups for p in g["params"])
+        )
         self.units = split_units(model)
         self.persistent_flats: list[ShardedFlat] = []
         self.flat_groups = self._build_flats(groups, model)
@@ -311,7 +338,7 @@ class Stage3Engine(ShardSpeedEngine):
             f"ShardSpeed engine: ZeRO stage 3, dp={self.dp_world_size}, "
             f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats, "
             f"param dtype {self.precision.param_dtype}, {n_params:,} trainable parameters, "
-            f"optimizer offload {'cpu' if self.offload.optimizer else 'off'}"
+            f"{self.offload.policy.describe()}"
         )
 
     def _build_flats(self, groups: list[dict[str, Any]], model: nn.Module) -> list[Stage3Group]:
@@ -328,8 +355,7 @@ class Stage3Engine(ShardSpeedEngine):
             "grad_dtype": p.grad_dtype(self._config.gradient_accumulation_steps),
             "master_dtype": p.master_dtype,
             "device": self.device,
-            "offload": self.offload.optimizer,
-            "pin_memory": self.offload.pin_memory,
+            "offload": self.offload,
         }
         next_id = 0
         out = []
@@ -337,8 +363,9 @@ class Stage3Engine(ShardSpeedEngine):
             per_unit: list[list[nn.Parameter]] = [[] for _ in self.units]
             keep: list[nn.Parameter] = []
             for param in g["params"]:
-                if param.numel() < threshold and param.numel() <= budget:
-                    budget -= param.numel()
+                numel = full_numel(param)  # ds_numel of a zero.Init-partitioned param
+                if numel < threshold and numel <= budget:
+                    budget -= numel
                     keep.append(param)
                 else:
                     per_unit[owner.get(id(param), 0)].append(param)
@@ -359,30 +386,11 @@ class Stage3Engine(ShardSpeedEngine):
                 flats.append(flat)
                 next_id += len(keep)
             out.append(Stage3Group(flats))
+        # the flats adopted the trainable zero.Init pieces; frozen params stay whole (replicated)
+        materialize_init_params(model, "ZeRO-3 keeps frozen parameters whole on every rank")
         return out
 
     # -- queries -----------------------------------------------------------------------------
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes on this rank: params (shards + gathered/persistent), grads, master_params,
-        optimizer_state, buffers, total. With optimizer offload, master_params and
-        optimizer_state are host bytes."""
-        out = {"params": 0, "grads": 0, "master_params": 0}
-        managed = set()
-        for group in self.flat_groups:
-            for flat in group.flats:
-                managed.update(id(q) for q in flat.params)
-                for key, value in flat.storage_bytes().items():
-                    out[key] += value
-        seen: set[int] = set()
-        for q in self.module.parameters():
-            if id(q) not in managed and id(q) not in seen:
-                seen.add(id(q))
-                out["params"] += q.numel() * q.element_size()  # frozen, replicated
-        out["optimizer_state"] = optimizer_state_bytes(self.basic_optimizer)
-        out["buffers"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        out["total"] = sum(out.values())
-        return out
-
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         """The full (gathered) module state dict, on every rank (a collective call)."""
         from shardspeed.zero.init import GatheredParameters
@@ -412,7 +420,7 @@ class Stage3Engine(ShardSpeedEngine):
         stage3_publish_params(self)
 
     def destroy(self) -> None:
-        """Remove hooks and drop references."""
-        self.reducer.remove_hooks()
+        """Remove the gather/release hooks, then what every engine releases (reducer hooks,
+        reporter, a pending asynchronous checkpoint save, offload swap files)."""
         self.coordinator.remove()
-        self.reporter.close()
+        super().destroy()

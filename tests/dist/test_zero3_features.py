@@ -196,19 +196,38 @@ def test_gathered_parameters_modifier_rank_broadcasts_and_updates_shards() -> No
         assert seen[2] == pytest.approx(0.5 * 16 * 16)
 
 
-def _offload_param_error() -> str:
+def _modified_offloaded(nvme_path: str) -> dict[str, torch.Tensor]:
     import shardspeed
+    from shardspeed import comm
+    from shardspeed.zero import GatheredParameters
 
-    try:
-        shardspeed.initialize(model=_fresh(), config=_config(offload_param={"device": "cpu"}))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    model = _fresh()
+    offload = {
+        "offload_param": {"device": "cpu"},  # the shard edit lands in a host tensor
+        "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path},  # the master in a file
+    }
+    engine, _, _, _ = shardspeed.initialize(model=model, config=_config(**offload))
+    weight = model.layers[2].weight
+    with GatheredParameters([weight], modifier_rank=0):
+        if comm.get_rank() == 0:
+            weight.data.fill_(0.5)
+    for step in range(2):  # the step starts from the edited master, not the old one
+        engine.backward(engine(_batch(step)))
+        engine.step()
+    with GatheredParameters(model.parameters()):
+        out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    return out
 
 
-def test_offload_param_is_rejected_with_the_key_named() -> None:
-    for msg in run_distributed(_offload_param_error, 1, timeout=60):
-        assert "zero_optimization.offload_param.device='cpu'" in msg
+def test_gathered_parameters_edit_reaches_offloaded_shards_and_nvme_masters(tmp_path) -> None:
+    ref_model = _fresh()
+    with torch.no_grad():
+        ref_model.layers[2].weight.fill_(0.5)
+    ref = _reference(ref_model, 2)
+    for got in run_distributed(_modified_offloaded, 2, str(tmp_path), timeout=60):
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6)
 
 
 def _sequential_model() -> nn.Module:
