@@ -67,12 +67,43 @@ def initialize(
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port)
 
+    from shardspeed.utils.tensor_fragment import link_engine
+    from shardspeed.zero import construct
+
+    with construct.paused():  # like DeepSpeed, an active zero.Init is suspended here
+        result = _build_engine(
+            model,
+            raw_config,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            training_data=training_data,
+            lr_scheduler=lr_scheduler,
+            mpu=mpu,
+            collate_fn=collate_fn,
+        )
+    link_engine(result[0])  # parameter -> engine back-reference for the safe_get_* utilities
+    return result
+
+
+def _build_engine(
+    model: nn.Module,
+    raw_config: Any,
+    *,
+    optimizer: Any,
+    model_parameters: Any,
+    training_data: Any,
+    lr_scheduler: Any,
+    mpu: Any,
+    collate_fn: Any,
+) -> tuple[Any, Any, Any, Any]:
     # --- pipeline parallelism (issue 7): a PipelineModule gets the PipelineEngine ---------
     from shardspeed.parallel.pipeline.module import PipelineModule
+    from shardspeed.zero.init_partition import materialize_init_params
 
     if isinstance(model, PipelineModule):
         from shardspeed.parallel.pipeline.engine import initialize_pipeline
 
+        materialize_init_params(model, "pipeline parallelism does not shard parameters")
         return initialize_pipeline(
             model,
             raw_config,
@@ -95,6 +126,8 @@ def initialize(
         from shardspeed.zero.stage3_engine import Stage3Engine as engine_cls
     else:
         engine_cls = ShardSpeedEngine
+        stage = cfg.zero_optimization.stage
+        materialize_init_params(model, f"zero.Init model trained at ZeRO stage {stage}")
     engine = engine_cls(
         model,
         cfg,

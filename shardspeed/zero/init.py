@@ -1,8 +1,11 @@
 """User-facing ZeRO-3 helpers: ``GatheredParameters``, external parameters, ``zero.Init``.
 
 ``GatheredParameters`` temporarily materialises full parameters outside forward/backward
-(to inspect or edit them); ``register_external_parameter`` declares that a module uses a
-parameter owned by another module, so stage 3 keeps it gathered whenever that module runs.
+(to inspect or edit them), both for parameters sharded by the stage-3 engine and for
+parameters partitioned by ``zero.Init`` before ``initialize``;
+``register_external_parameter`` declares that a module uses a parameter owned by another
+module, so stage 3 keeps it gathered whenever that module runs. ``zero.Init`` itself
+lives in :mod:`shardspeed.zero.construct`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.utils.logging import warning_once
+from shardspeed.zero import init_partition
+from shardspeed.zero.construct import Init
 from shardspeed.zero.params import ShardedFlat, ZeroParamStatus, owning_flat
+
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "gathered_module",
+    "register_external_parameter",
+    "unregister_external_parameter",
+]
 
 
 def _as_list(params: Any) -> list[torch.Tensor]:
@@ -37,9 +50,9 @@ class GatheredParameters(contextlib.ContextDecorator):
 
     A collective: every rank of the data-parallel group must enter it with the same
     parameters. With ``modifier_rank`` set, edits made on that rank inside the block are
-    broadcast on exit and written into every rank's shard (and fp32 master). Parameters
-    not managed by stage 3 pass through unchanged. ``fwd_module`` is accepted for
-    DeepSpeed compatibility and ignored.
+    broadcast on exit and written into every rank's shard (and fp32 master), or into the
+    pieces of a ``zero.Init``-partitioned parameter. Other parameters pass through
+    unchanged. ``fwd_module`` is accepted for DeepSpeed compatibility and ignored.
     """
 
     def __init__(
@@ -52,12 +65,17 @@ class GatheredParameters(contextlib.ContextDecorator):
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         flats: dict[int, ShardedFlat] = {}
+        pieces: dict[int, nn.Parameter] = {}  # zero.Init-partitioned, not yet in an engine
         for p in _as_list(params):
             flat = owning_flat(p)  # type: ignore[arg-type]
             if flat is not None:
                 flats.setdefault(id(flat), flat)
+            elif init_partition.is_init_partitioned(p):
+                pieces.setdefault(id(p), p)  # type: ignore[arg-type]
         self.flats = list(flats.values())
+        self.init_params = list(pieces.values())
         self._gathered: list[ShardedFlat] = []
+        self._gathered_init: list[nn.Parameter] = []
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
@@ -66,6 +84,10 @@ class GatheredParameters(contextlib.ContextDecorator):
             if flat.status is not ZeroParamStatus.AVAILABLE:
                 self._gathered.append(flat)
                 flat.gather()
+        for p in self.init_params:
+            if p.ds_status is not ZeroParamStatus.AVAILABLE:  # type: ignore[attr-defined]
+                self._gathered_init.append(p)
+                init_partition.gather_into_data(p)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -81,10 +103,15 @@ class GatheredParameters(contextlib.ContextDecorator):
                             src = torch.distributed.get_global_rank(flat.dp_group, src)
                         comm.broadcast(flat.full, src=src, group=flat.dp_group)
                     flat.scatter_full_to_shard()
+                for p in self.init_params:
+                    init_partition.scatter_from_data(p, self.modifier_rank)
         finally:
             for flat in self._gathered:
                 flat.release()
+            for p in self._gathered_init:
+                init_partition.release_data(p)
             self._gathered = []
+            self._gathered_init = []
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -116,29 +143,6 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
             f"for module {type(module).__name__}; register it first."
         )
     del registry[id(parameter)]
-
-
-class Init(contextlib.ContextDecorator):
-    """``zero.Init``: accepted for DeepSpeed compatibility.
-
-    ShardSpeed partitions parameters when ``shardspeed.initialize`` builds the stage-3
-    engine, not during construction, so the full model is materialised once (on the
-    device given by ``module.to``) before it is sharded. All arguments are accepted and
-    ignored; ``enabled=False`` is a no-op as well.
-    """
-
-    def __init__(self, module: nn.Module | None = None, *args: Any, **kwargs: Any) -> None:
-        self.module = module
-
-    def __enter__(self) -> Init:
-        warning_once(
-            "shardspeed.zero.Init does not partition parameters during model construction; "
-            "they are sharded by shardspeed.initialize() (stage 3)."
-        )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 @contextlib.contextmanager
