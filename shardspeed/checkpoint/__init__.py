@@ -1,22 +1,30 @@
-"""Engine checkpoints: atomic, safetensors-only, and resharded on load (stages 0-2).
+"""Engine checkpoints: atomic (optionally asynchronous), safetensors-only, resharded on load.
 
 See ``docs/checkpoints.md`` for the format.
 """
 
 from __future__ import annotations
 
+from shardspeed.checkpoint.commit import CheckpointError
 from shardspeed.checkpoint.consolidate import (
     convert_to_fp32_files,
     get_fp32_state_dict_from_checkpoint,
     iter_fp32_state_dict,
 )
-from shardspeed.checkpoint.engine_api import load_checkpoint, save_16bit_model, save_checkpoint
+from shardspeed.checkpoint.engine_api import (
+    load_checkpoint,
+    save_16bit_model,
+    save_checkpoint,
+    wait_checkpoint,
+)
 
 __all__ = [
+    "CheckpointError",
     "convert_to_fp32_files",
     "get_fp32_state_dict_from_checkpoint",
     "iter_fp32_state_dict",
     "load_checkpoint",
     "save_16bit_model",
     "save_checkpoint",
+    "wait_checkpoint",
 ]

@@ -1,56 +1,48 @@
 """``save_checkpoint`` / ``load_checkpoint`` / ``save_16bit_model`` for the training engine.
 
-Save protocol (atomic): rank 0 picks ``<tag>.tmp-<uuid>/``; every rank writes its
-``rankNNNNN.safetensors`` + ``rankNNNNN.json`` there; barrier; rank 0 writes
-``manifest.json``, renames the directory to ``<tag>/`` and only then rewrites ``latest``.
-A save that dies midway leaves a ``.tmp-`` directory that loading ignores.
+Save protocol (atomic): rank 0 picks ``<tag>.tmp-<token>/``; every rank snapshots its
+tensors to host memory and writes ``rankNNNNN.safetensors`` + ``rankNNNNN.json`` there;
+the ranks agree that all of them succeeded, then rank 0 writes ``manifest.json``, renames
+the directory to ``<tag>/`` and only then rewrites ``latest``
+(:mod:`shardspeed.checkpoint.commit`). With ``async_save`` the writing and the commit run
+on a background thread (:mod:`shardspeed.checkpoint.async_save`). A save that dies midway
+leaves a ``.tmp-`` directory that loading ignores.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardspeed import comm
+from shardspeed.checkpoint.async_save import save_coordinator, wait_pending
+from shardspeed.checkpoint.commit import (
+    FAULT_ENV,
+    commit,
+    failed_ranks,
+    take_snapshot,
+    write_rank_files,
+)
 from shardspeed.checkpoint.format import (
-    FORMAT_VERSION,
-    LATEST,
-    MANIFEST,
     TMP_MARKER,
-    build_index,
     join_client_state,
     load_manifest,
     rank_stem,
     read_json,
     resolve_tag,
-    split_client_state,
-    write_json,
 )
-from shardspeed.checkpoint.shards import (
-    FragmentWriter,
-    SliceReader,
-    collect_fragments,
-    load_fragments,
-    tied_aliases,
-    trainable_ids,
-)
-from shardspeed.checkpoint.state import (
-    capture_engine_state,
-    capture_rng_state,
-    restore_engine_state,
-    restore_rng_state,
-)
-from shardspeed.utils.io import atomic_write_text
+from shardspeed.checkpoint.shards import SliceReader, load_fragments, trainable_ids
+from shardspeed.checkpoint.state import restore_engine_state, restore_rng_state
 from shardspeed.utils.logging import get_logger, log_dist
 
 logger = get_logger(__name__)
 
-FAULT_ENV = "SHARDSPEED_CKPT_FAULT"  # "after_rank_files": every rank raises before the barrier
+__all__ = ["FAULT_ENV", "load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_checkpoint"]
 
 
 def _rank() -> int:
@@ -66,10 +58,10 @@ def _barrier() -> None:
         comm.barrier()
 
 
-def _shared_token() -> str:
+def _shared_token(group: Any) -> str:
     token = [uuid.uuid4().hex[:12] if _rank() == 0 else None]
-    if comm.is_initialized() and comm.get_world_size() > 1:
-        comm.broadcast_object_list(token, src=0)
+    if _world() > 1:
+        dist.broadcast_object_list(token, src=0, group=group)
     return str(token[0])
 
 
@@ -82,6 +74,11 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _async_default(engine: Any) -> bool:
+    cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
+    return bool(cfg is not None and cfg.async_enabled)
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike[str],
@@ -89,77 +86,65 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    async_save: bool | None = None,
 ) -> bool:
     """Save a resumable, topology-independent checkpoint of ``engine``; every rank must call it.
 
     Writes ``<save_dir>/<tag>/`` (default tag ``global_step{N}``) atomically and, with
     ``save_latest``, points ``<save_dir>/latest`` at it. ``client_state`` may hold JSON
     values and tensors; it is returned by :func:`load_checkpoint`.
+
+    ``async_save`` (default: the config's ``checkpoint.async_save``, or DeepSpeed's
+    ``checkpoint.writer.decoupled``) returns once every tensor is copied to host memory;
+    the files are written and the tag published in the background. A previous async save
+    is waited for first, and if it failed its :class:`CheckpointError` is raised here
+    (nothing new is saved).
     """
+    wait_pending(engine)
+    if async_save is None:
+        async_save = _async_default(engine)
     tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     save_dir = Path(save_dir)
+    saver = save_coordinator(engine)
     rank, world = _rank(), _world()
-    tmp = save_dir / f"{tag}{TMP_MARKER}{_shared_token()}"
-    tmp.mkdir(parents=True, exist_ok=True)
-
-    client_json, client_tensors = split_client_state(client_state or {})
-    writer = FragmentWriter()
-    scalars = collect_fragments(engine, writer, exclude_frozen=exclude_frozen_parameters)
-    from safetensors.torch import save_file
-
-    stem = rank_stem(rank)
-    save_file({**writer.tensors, **client_tensors}, str(tmp / f"{stem}.safetensors"))
-    meta = {
-        "file": f"{stem}.safetensors",
-        "rank": rank,
-        "world_size": world,
-        "tensors": writer.entries,
-        "client_tensors": sorted(client_tensors),
-        "client_state": client_json,
-        "optimizer_scalars": scalars,
-        "engine": capture_engine_state(engine),
-        "rng": capture_rng_state(),
-    }
-    if rank == 0:
-        meta["tied_aliases"] = tied_aliases(engine.module)
-        meta["param_order"] = list(engine.module.state_dict().keys())
-    write_json(tmp / f"{stem}.json", meta)
-    if os.environ.get(FAULT_ENV) == "after_rank_files":
-        raise RuntimeError(f"{FAULT_ENV}=after_rank_files: simulated crash during save")
-    _barrier()
-    if rank == 0:
-        _finalise(save_dir, tmp, tag, world, engine, save_latest)
-    _barrier()
+    tmp = save_dir / f"{tag}{TMP_MARKER}{_shared_token(saver.group)}"
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        snap = take_snapshot(
+            engine,
+            save_dir,
+            tmp,
+            tag,
+            rank=rank,
+            world_size=world,
+            client_state=client_state or {},
+            save_latest=save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+        )
+    except Exception:
+        failed_ranks(False, rank, world, saver.group)  # the others' commit fails, not hangs
+        raise
+    if async_save:
+        saver.submit(snap)
+        log_dist(f"saving checkpoint {save_dir / tag} in the background")
+        return True
+    write_error: BaseException | None = None
+    try:
+        write_rank_files(snap)
+    except Exception as err:  # every rank learns about it in commit() and raises
+        write_error = err
+    commit(snap, write_error, saver.group)
     log_dist(f"saved checkpoint {save_dir / tag}")
     return True
 
 
-def _finalise(save_dir: Path, tmp: Path, tag: str, world: int, engine: Any, latest: bool) -> None:
-    metas = [read_json(tmp / f"{rank_stem(r)}.json") for r in range(world)]
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "tag": tag,
-        "world_size": world,
-        "dp_world_size": engine.dp_world_size,
-        "stage": engine.stage,
-        "global_steps": engine.global_steps,
-        "files": [m["file"] for m in metas],
-        "optimizer_scalars": metas[0]["optimizer_scalars"],
-        "tied_aliases": metas[0]["tied_aliases"],
-        "param_order": metas[0]["param_order"],
-        "index": build_index(metas),
-    }
-    write_json(tmp / MANIFEST, manifest)
-    final = save_dir / tag
-    old = None
-    if final.exists():  # re-saving a tag: swap, then delete the old copy
-        old = save_dir / f"{tag}{TMP_MARKER}old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    if latest:
-        atomic_write_text(save_dir / LATEST, tag)
+def wait_checkpoint(engine: Any) -> None:
+    """Block until ``engine``'s asynchronous save (if any) is published on every rank.
+
+    Raises :class:`~shardspeed.checkpoint.commit.CheckpointError` if it failed on any rank
+    (its tag was then not published; the previous checkpoint and ``latest`` are intact).
+    """
+    wait_pending(engine)
 
 
 def load_checkpoint(
@@ -171,11 +156,12 @@ def load_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Load a checkpoint saved at any world size / stage 0-2 into ``engine``.
+    """Load a checkpoint saved at any world size / ZeRO stage 0-3 / pipeline layout into ``engine``.
 
     Returns ``(path, client_state)``, or ``(None, None)`` (with a warning) when
     ``load_dir`` holds no finished checkpoint.
     """
+    wait_pending(engine, raise_error=False)  # the save may target load_dir; log a failure
     load_dir = Path(load_dir)
     tag = resolve_tag(load_dir, tag)
     if tag is None:

@@ -118,6 +118,7 @@ def load_manifest(tag_dir: Path) -> dict[str, Any]:
 def build_index(rank_metas: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``{name: {"shape", "dtype", "kinds": {kind: [[file, key, start, end], ...]}}}``."""
     index: dict[str, dict[str, Any]] = {}
+    seen: set[str] = set()  # tensor keys already indexed
     for meta in rank_metas:
         for entry in meta["tensors"]:
             if entry["kind"] == KIND_CLIENT:
@@ -127,6 +128,9 @@ def build_index(rank_metas: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             )
             if entry["kind"] == KIND_MASTER or entry["kind"] in (KIND_PARAM, KIND_BUFFER):
                 item["dtype"] = entry["dtype"]
+            if entry["key"] in seen:
+                continue  # the same range saved by two ranks (a buffer of a tied module)
+            seen.add(entry["key"])
             item["kinds"].setdefault(entry["kind"], []).append(
                 [meta["file"], entry["key"], entry["start"], entry["end"]]
             )
@@ -158,7 +162,7 @@ def split_client_state(state: Any, path: str = "") -> tuple[Any, dict[str, torch
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(state, torch.Tensor):
         key = f"__client__|{path}"
-        tensors[key] = state.detach().cpu().contiguous()
+        tensors[key] = state.detach().to("cpu", copy=True).contiguous()  # a snapshot
         return {"__tensor__": key}, tensors
     if isinstance(state, dict):
         out = {}

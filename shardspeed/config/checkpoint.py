@@ -50,8 +50,22 @@ class CheckpointConfig(ConfigModel):
         True, description="Serialize tensors into one file per rank (torch.save format)."
     )
     writer: dict[str, Any] | None = Field(
-        None, description="Checkpoint writer options (type, io_buffer_size, ...)."
+        None,
+        description="Checkpoint writer options (type, io_buffer_size, ...); DeepSpeed's "
+        "'decoupled': true turns on async_save.",
     )
+    async_save: bool = Field(
+        False,
+        description="ShardSpeed: save_checkpoint copies every tensor to host memory and "
+        "returns; a background thread writes the files and publishes the tag once every rank "
+        "finished. The next save, a load, engine.wait_checkpoint() and engine.destroy() wait "
+        "for it and raise if it failed.",
+    )
+
+    @property
+    def async_enabled(self) -> bool:
+        """``async_save``, or DeepSpeed's ``writer.decoupled`` (its asynchronous writer)."""
+        return self.async_save or bool((self.writer or {}).get("decoupled", False))
 
 
 class AioConfig(ConfigModel):

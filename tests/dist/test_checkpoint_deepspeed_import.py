@@ -76,6 +76,11 @@ def _deepspeed_rank(save_dir: str, stage: int, result_dir: str) -> None:
         }
     losses = _train(engine, range(SAVED_STEPS, SAVED_STEPS + MORE_STEPS), rank)
     torch.save({"state": state, "losses": losses}, Path(result_dir) / f"rank{rank}.pt")
+    # Tear down explicitly: a ZeRO-3 process left to exit with its groups alive sometimes
+    # aborts in C++ static destruction ("terminate called without an active exception").
+    engine.destroy()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def _run_deepspeed(save_dir: Path, stage: int, result_dir: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""ZeRO stage-3 checkpoints: exact resume, resharding to/from stages 0-2, 16-bit export.
+"""ZeRO stage-3 checkpoints: exact resume, resharding to/from stages 0-3, 16-bit export.
 
 Stage-3 engines use a persistence threshold of 20 elements, so the tiny GPT has both
 sharded unit flats (matrices) and a persistent flat (LayerNorm weights). Parameters are
@@ -6,9 +6,13 @@ read through ``engine.state_dict()``, which gathers them at stage 3.
 
 * exact resume (world 2, fp32, no dropout): 6 straight steps == 4 steps + save + brand-new
   engine (other init seed) + load + 2 steps, bitwise in losses and parameters;
-* resharding: stage 3 world 2 -> stage 3 world 4 and stage 1 world 2; stage 2 world 4 ->
-  stage 3 world 2. The global batch is the same 4 micro-batches in every layout, so the
-  continued training matches the one-process reference (fp32, 1e-5 relative);
+* resharding with stage-3 sources at worlds 1, 2 and 4 and stage-3 targets from four
+  sources: w1s3 -> w4s1, w2s3; w2s3 -> w2s1, w4s3, w1s2; w4s3 -> w2s0, w1s3; w4s2 -> w2s3
+  (``wXsY``: world X, stage Y); with CPU optimizer offload (``o``): w2s3o -> w1s2 and
+  w4s2 -> w2s3o. The global batch is the same 4 micro-batches in every layout, so the
+  continued training matches the one-process reference (fp32, 1e-5 relative), and
+  re-saving right after the load reproduces every saved master and optimizer-state tensor
+  exactly;
 * ``save_16bit_model``: full weights on rank 0 with
   ``stage3_gather_16bit_weights_on_model_save``; False and no file without it.
 """
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import torch
 from parity_common import ParitySpec, make_model, micro_batch, reference_run
+from test_checkpoint_engine import _all_kinds
 
 from shardspeed.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from shardspeed.testing import run_distributed
@@ -36,7 +41,9 @@ def _spec(world: int, stage: int, steps: int = 6) -> ParitySpec:
     )
 
 
-def _new_engine(spec: ParitySpec, seed: int | None = None, gather16: bool = False):
+def _new_engine(
+    spec: ParitySpec, seed: int | None = None, gather16: bool = False, offload: bool = False
+):
     import shardspeed
 
     model = make_model(replace(spec, seed=seed) if seed is not None else spec)
@@ -44,6 +51,8 @@ def _new_engine(spec: ParitySpec, seed: int | None = None, gather16: bool = Fals
     if spec.stage == 3:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 20
         cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = gather16
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, _, _, _ = shardspeed.initialize(model=model, config=cfg)
     return engine
 
@@ -107,14 +116,15 @@ def _reshard_rank(jobs: list[dict]) -> list:
             out.append(_resume_and_export(job["dir"]))
             continue
         if job["op"] == "save":
-            engine = _new_engine(spec)
+            engine = _new_engine(spec, offload=job.get("offload", False))
             losses = _train_steps(engine, spec, range(3))
             save_checkpoint(engine, job["dir"])
             out.append(losses)
         else:
-            engine = _new_engine(spec, seed=99)
+            engine = _new_engine(spec, seed=99, offload=job.get("offload", False))
             load_checkpoint(engine, job["src"])
             assert engine.global_steps == 3
+            save_checkpoint(engine, job["resave"])  # must reproduce the saved tensors
             losses = _train_steps(engine, spec, range(3, 6))
             out.append((losses, _params(engine)))
         engine.destroy()
@@ -122,19 +132,31 @@ def _reshard_rank(jobs: list[dict]) -> list:
 
 
 def test_zero3_resume_reshard_and_16bit_export(tmp_path: Path) -> None:
-    d = {k: str(tmp_path / k) for k in ("w2s3", "w4s2", "resume")}
-    save_w4s2 = {"op": "save", "spec": _spec(4, 2), "dir": d["w4s2"]}
-    save_w2s3 = {"op": "save", "spec": _spec(2, 3), "dir": d["w2s3"]}
-    resume = {"op": "resume", "spec": _spec(2, 3), "dir": d["resume"]}
-    loads = {  # label -> (source, job)
-        "w2s3->w2s1": ("w2s3", {"op": "load", "spec": _spec(2, 1), "src": d["w2s3"]}),
-        "w4s2->w2s3": ("w4s2", {"op": "load", "spec": _spec(2, 3), "src": d["w4s2"]}),
-        "w2s3->w4s3": ("w2s3", {"op": "load", "spec": _spec(4, 3), "src": d["w2s3"]}),
+    d = {k: str(tmp_path / k) for k in ("w1s3", "w2s3", "w2s3o", "w4s2", "w4s3", "resume")}
+    saves = {  # a trailing "o": CPU optimizer offload
+        n: {"op": "save", "spec": _spec(int(n[1]), int(n[3])), "dir": d[n], "offload": "o" in n}
+        for n in ("w1s3", "w2s3", "w2s3o", "w4s2", "w4s3")
     }
+    resume = {"op": "resume", "spec": _spec(2, 3), "dir": d["resume"]}
+
+    def load(src: str, world: int, stage: int, offload: str = "") -> tuple[str, dict]:
+        label = f"{src}->w{world}s{stage}{offload}"
+        job = {"op": "load", "spec": _spec(world, stage), "src": d[src], "offload": bool(offload)}
+        return label, {**job, "resave": str(tmp_path / label)}
+
+    loads = dict(
+        load(*args)
+        for args in (
+            ("w1s3", 4, 1), ("w2s3", 2, 1), ("w4s2", 2, 3), ("w4s3", 2, 0), ("w1s3", 2, 3),
+            ("w2s3", 4, 3), ("w4s3", 1, 3), ("w2s3", 1, 2), ("w4s2", 2, 3, "o"), ("w2s3o", 1, 2),
+        )
+    )  # fmt: skip
     calls = [
-        (4, [save_w4s2]),
-        (2, [resume, save_w2s3, loads["w2s3->w2s1"][1], loads["w4s2->w2s3"][1]]),
-        (4, [loads["w2s3->w4s3"][1]]),
+        (1, [saves["w1s3"]]),
+        (4, [saves["w4s2"], saves["w4s3"], loads["w1s3->w4s1"]]),
+        (2, [resume, saves["w2s3"], saves["w2s3o"], *(loads[k] for k in loads if "->w2" in k)]),
+        (4, [loads["w2s3->w4s3"]]),
+        (1, [loads[k] for k in loads if "->w1" in k]),
     ]
     results: dict[int, object] = {}
     for world, jobs in calls:
@@ -151,14 +173,19 @@ def test_zero3_resume_reshard_and_16bit_export(tmp_path: Path) -> None:
     # resharding against the one-process reference
     ref_losses, ref_params = reference_run(_spec(2, 0))
     tol = {"rtol": 1e-5, "atol": 1e-6}
-    saved = {"w2s3": results[id(save_w2s3)], "w4s2": results[id(save_w4s2)]}
-    for label, (src, job) in loads.items():
+    for label, job in loads.items():
+        src = label.split("->")[0]
         losses, params = results[id(job)]
         torch.testing.assert_close(
-            torch.tensor(saved[src] + losses), torch.tensor(ref_losses), **tol, msg=label
-        )
+            torch.tensor(results[id(saves[src])] + losses), torch.tensor(ref_losses), **tol,
+            msg=label,
+        )  # fmt: skip
         for name, ref in ref_params.items():
             torch.testing.assert_close(params[name], ref, **tol, msg=f"{label}: {name}")
+        before, after = _all_kinds(Path(d[src])), _all_kinds(Path(job["resave"]))
+        assert set(before) == set(after) and ("h.0.attn.c_attn.weight", "exp_avg") in before
+        for key, tensor in before.items():
+            assert torch.equal(tensor, after[key]), f"{label}: {key} changed by save/load"
 
     # 16-bit export at stage 3 (fp32 run): full weights, tied head under both names
     from safetensors.torch import load_file

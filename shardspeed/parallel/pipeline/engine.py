@@ -280,6 +280,11 @@ class PipelineEngine(ShardSpeedEngine):
             return None
         return loss
 
+    # -- checkpoint hook (see shardspeed.checkpoint.shards) ---------------------------------
+    def checkpoint_replicated_params(self) -> list[torch.nn.Parameter]:
+        """Tied copies owned by a lower stage: a checkpoint load fills them, a save skips them."""
+        return self.module.replicated_parameters()
+
     # -- calls that make no sense on a pipeline --------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(
