@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from shardspeed.checkpoint.format import (
     FORMAT_VERSION,
@@ -37,6 +36,7 @@ from shardspeed.checkpoint.format import (
     split_client_state,
     write_json,
 )
+from shardspeed.checkpoint.safetensors_io import write_safetensors
 from shardspeed.checkpoint.shards import FragmentWriter, collect_fragments, tied_aliases
 from shardspeed.checkpoint.state import capture_engine_state, capture_rng_state
 from shardspeed.utils.io import atomic_write_text
@@ -63,6 +63,7 @@ class RankSnapshot:
     tensors: dict[str, torch.Tensor]  # host copies
     meta: dict[str, Any]  # the rank JSON
     manifest_fields: dict[str, Any] = field(default_factory=dict)
+    fsync: bool = True  # rank files reach the disk before the tag is published
 
     @property
     def final(self) -> Path:
@@ -80,10 +81,17 @@ def take_snapshot(
     client_state: dict[str, Any],
     save_latest: bool,
     exclude_frozen: bool,
+    copy: bool = True,
+    fsync: bool = True,
 ) -> RankSnapshot:
-    """Copy this rank's tensors to host memory and capture its engine state as JSON."""
+    """Capture this rank's tensors and its engine state as JSON.
+
+    With ``copy`` every tensor is copied to host memory, so training may change the
+    parameters right away (asynchronous save); without it host tensors are referenced as
+    they are, for a save that writes them before training resumes.
+    """
     client_json, client_tensors = split_client_state(client_state)
-    writer = FragmentWriter()
+    writer = FragmentWriter(copy=copy)
     scalars = collect_fragments(engine, writer, exclude_frozen=exclude_frozen)
     writer.synchronize()  # device -> host copies are complete before training resumes
     stem = rank_stem(rank)
@@ -115,6 +123,7 @@ def take_snapshot(
             "stage": engine.stage,
             "global_steps": engine.global_steps,
         },
+        fsync=fsync,
     )
 
 
@@ -128,11 +137,10 @@ def _fault_ranks() -> set[int] | None:
 
 
 def write_rank_files(snap: RankSnapshot) -> None:
-    """Write (and fsync) this rank's safetensors file and JSON into the tag's temp directory."""
+    """Write this rank's safetensors file (fsynced unless the config says not to) and JSON
+    into the tag's temp directory."""
     path = snap.tmp / snap.meta["file"]
-    save_file(snap.tensors, str(path))
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    write_safetensors(snap.tensors, path, fsync=snap.fsync)
     write_json(snap.tmp / f"{rank_stem(snap.rank)}.json", snap.meta)
     faulty = _fault_ranks()
     if faulty is not None and (not faulty or snap.rank in faulty):

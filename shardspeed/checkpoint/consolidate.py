@@ -22,6 +22,7 @@ from shardspeed.checkpoint.format import (
     load_manifest,
     resolve_tag,
 )
+from shardspeed.checkpoint.safetensors_io import write_safetensors
 from shardspeed.checkpoint.shards import SliceReader
 from shardspeed.utils.io import atomic_write_text
 
@@ -105,56 +106,6 @@ def get_fp32_state_dict_from_checkpoint(
     return state
 
 
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-
-
-def _write_safetensors(
-    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]
-) -> None:
-    """Write a safetensors file tensor by tensor, without serialising it into memory first.
-
-    ``safetensors.torch.save_file`` builds a byte copy of every tensor before writing, which
-    doubles the peak memory of a shard; here each tensor's bytes go straight to the file.
-    """
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, tensor in tensors.items():
-        if tensor.dtype not in _ST_DTYPES:
-            raise ValueError(
-                f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store; "
-                f"allowed: {sorted(str(d) for d in _ST_DTYPES)}. Convert it or write .bin."
-            )
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _ST_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for tensor in tensors.values():
-            if tensor.numel():
-                flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(flat.numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def convert_to_fp32_files(
     checkpoint_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -182,7 +133,7 @@ def convert_to_fp32_files(
             return
         path = out / f".{prefix}-part{len(shards):05d}.{ext}.tmp"
         if safetensors:
-            _write_safetensors(current, path, {"format": "pt"})
+            write_safetensors(current, path, {"format": "pt"})
         else:
             torch.save(current, path)
         shards.append((path, list(current)))

@@ -74,6 +74,20 @@ def _check_tag(tag: str) -> str:
     return tag
 
 
+def _swaps_to_nvme(engine: Any) -> bool:
+    """True when masters, optimizer state or parameter shards live in NVMe swap files."""
+    offload = getattr(engine, "offload", None)
+    return offload is not None and (
+        getattr(offload, "optimizer_swapper", None) is not None
+        or getattr(offload, "param_swapper", None) is not None
+    )
+
+
+def _fsync_default(engine: Any) -> bool:
+    cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
+    return bool(cfg is None or cfg.fsync)
+
+
 def _async_default(engine: Any) -> bool:
     cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
     return bool(cfg is not None and cfg.async_enabled)
@@ -120,6 +134,10 @@ def save_checkpoint(
             client_state=client_state or {},
             save_latest=save_latest,
             exclude_frozen=exclude_frozen_parameters,
+            # a synchronous save writes before training resumes: host tensors need no copy,
+            # unless they are NVMe swap buffers that are reused once the snapshot is taken
+            copy=async_save or _swaps_to_nvme(engine),
+            fsync=_fsync_default(engine),
         )
     except Exception:
         failed_ranks(False, rank, world, saver.group)  # the others' commit fails, not hangs

@@ -117,20 +117,21 @@ def _is_elementwise_state(value: Any, master: torch.Tensor) -> bool:
 class FragmentWriter:
     """Collects one rank's tensors (flattened host copies) and their metadata entries.
 
-    Every tensor is copied, so the snapshot stays valid while training goes on (async
-    save). Device tensors go to pinned host memory with non-blocking copies; call
+    With ``copy`` (the default) every tensor is copied, so the snapshot stays valid while
+    training goes on (async save); without it host tensors are only flattened. Device tensors go to pinned host memory with non-blocking copies; call
     :meth:`synchronize` before using the copies.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy: bool = True) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.entries: list[dict[str, Any]] = []
+        self.copy = copy  # False: host tensors are referenced (written before training resumes)
         self._devices: set[torch.device] = set()
 
     def _host_copy(self, data: torch.Tensor) -> torch.Tensor:
         flat = data.detach().reshape(-1)
         if flat.device.type != "cuda":
-            return flat.to("cpu", copy=True).contiguous()
+            return flat.to("cpu", copy=self.copy).contiguous()
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         self._devices.add(flat.device)

@@ -62,6 +62,13 @@ class CheckpointConfig(ConfigModel):
         "for it and raise if it failed.",
     )
 
+    fsync: bool = Field(
+        True,
+        description="ShardSpeed: fsync every rank file before the tag is published, so a "
+        "published checkpoint survives a power loss or kernel crash, not only a killed "
+        "process. false saves faster and is only as durable as the page cache.",
+    )
+
     @property
     def async_enabled(self) -> bool:
         """``async_save``, or DeepSpeed's ``writer.decoupled`` (its asynchronous writer)."""

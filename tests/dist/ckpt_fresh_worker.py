@@ -33,7 +33,7 @@ CONFIGS = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32"
 PG_TIMEOUT = timedelta(seconds=20)  # survivors of a killed rank give up after this
 
 
-def _die_halfway(tensors: dict[str, torch.Tensor], path: str, *args: object, **kw: object) -> None:
+def _die_halfway(tensors: dict[str, torch.Tensor], path: object, *args: object, **kw: object) -> None:
     data = save(tensors)
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
@@ -65,7 +65,7 @@ def _train_phase(out: Path, rank: int) -> None:
     assert engine is not None
     _train(engine, batches, 1)
     if rank == 1:
-        commit.save_file = _die_halfway
+        commit.write_safetensors = _die_halfway
     engine.save_checkpoint(str(out / f"s{CONFIGS[-1][0]}_{CONFIGS[-1][1]}"))
     raise AssertionError("unreachable: the save above must fail on every rank")
 

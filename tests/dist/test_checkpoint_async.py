@@ -76,14 +76,14 @@ class _GatedWriter:
     def __enter__(self) -> _GatedWriter:
         from shardspeed.checkpoint import commit
 
-        self._real = commit.save_file
+        self._real = commit.write_safetensors
         self._gate = threading.Event()
 
         def gated(tensors, path, *args, **kwargs):
             self._gate.wait(GATE_TIMEOUT_S)
             return self._real(tensors, path, *args, **kwargs)
 
-        commit.save_file = gated
+        commit.write_safetensors = gated
         return self
 
     def open(self) -> None:
@@ -93,7 +93,7 @@ class _GatedWriter:
         from shardspeed.checkpoint import commit
 
         self._gate.set()
-        commit.save_file = self._real
+        commit.write_safetensors = self._real
 
 
 def _async_rank(tmp: str, stage: int) -> dict:
