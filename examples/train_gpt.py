@@ -247,11 +247,19 @@ def print_summary(
     elt = 2 if args.bf16 else 4
     stage0 = num_params * (2 * elt + (4 if elt == 2 else 0) + 8)
     mine = sum(all_mem[0][k] for k in keys)
+    host = all_mem[0].get("host", 0)  # offloaded: host memory (swap buffers included)
+    on_device = mine + all_mem[0].get("swap_buffers", 0) - host
     if args.zero > 0:
+        where = " on the device" if host else ""
         print(
-            f"ZeRO-{args.zero} model states per rank: {mine / mib:.2f} MiB vs {stage0 / mib:.2f} MiB "
-            f"at stage 0 ({100 * (1 - mine / stage0):.0f}% less)"
+            f"ZeRO-{args.zero} model states per rank{where}: {on_device / mib:.2f} MiB vs "
+            f"{stage0 / mib:.2f} MiB at stage 0 ({100 * (1 - on_device / stage0):.0f}% less)"
         )
+        if host or all_mem[0].get("nvme", 0):
+            print(
+                f"offloaded per rank: {host / mib:.2f} MiB in host memory, "
+                f"{all_mem[0].get('nvme', 0) / mib:.2f} MiB in NVMe swap files"
+            )
     summary = {
         "losses": losses,
         "val_loss": val_loss,
