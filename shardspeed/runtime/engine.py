@@ -61,7 +61,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
         self.flat_groups = self._build_flat_groups(groups)
         self.basic_optimizer = rebind_optimizer(
-            optimizer, config.optimizer, groups, [g.masters for g in self.flat_groups]
+            optimizer,
+            config.optimizer,
+            groups,
+            [g.masters for g in self.flat_groups],
+            offload=self.offload.offload_optimizer,
         )
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(

@@ -65,13 +65,18 @@ def rebind_optimizer(
     config_optimizer: Any,
     groups: list[dict[str, Any]],
     master_params: list[list[torch.Tensor]],
+    *,
+    offload: bool = False,
 ) -> torch.optim.Optimizer | None:
     """Return a torch optimizer whose groups hold the master shards instead of the params.
 
     * a client optimizer instance is reused: its ``param_groups[i]['params']`` become the
       masters of group ``i`` (hyperparameters, and any scheduler bound to it, are kept);
     * a callable is called with the master groups;
-    * otherwise the config's ``optimizer`` block builds one.
+    * otherwise the config's ``optimizer`` block builds one; with ``offload`` (the masters
+      live on the host: ``offload_optimizer``) it is DeepSpeed's CPU class for the type,
+      e.g. :class:`~shardspeed.ops.adam.DeepSpeedCPUAdam` for Adam/AdamW unless
+      ``torch_adam`` is set, as in DeepSpeed.
     """
     master_groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": m}
@@ -96,7 +101,9 @@ def rebind_optimizer(
     if config_optimizer is not None:
         from shardspeed.optim import build_optimizer
 
-        return build_optimizer(config_optimizer.type, dict(config_optimizer.params), master_groups)
+        return build_optimizer(
+            config_optimizer.type, dict(config_optimizer.params), master_groups, offload=offload
+        )
     return None
 
 

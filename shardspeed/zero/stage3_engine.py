@@ -287,7 +287,11 @@ class Stage3Engine(ShardSpeedEngine):
         self.persistent_flats: list[ShardedFlat] = []
         self.flat_groups = self._build_flats(groups, model)
         self.basic_optimizer = rebind_optimizer(
-            optimizer, config.optimizer, groups, [g.masters for g in self.flat_groups]
+            optimizer,
+            config.optimizer,
+            groups,
+            [g.masters for g in self.flat_groups],
+            offload=self.offload.offload_optimizer,
         )
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
