@@ -14,7 +14,10 @@ The optimizer updates one *master* tensor per bucket: this rank's slice of the b
 fp32. For fp32 training the master *is* a view of ``flat_param`` (no copy). With
 optimizer offload (``offload`` given and offloading) the masters are separate host
 tensors and each bucket has a host gradient buffer (``host_grads``) that the reduced
-gradient slice is copied into for the step.
+gradient slice is copied into for the step. The reducer streams that copy
+(:meth:`FlatGroup.stage_host_grad`) as soon as a bucket's last reduction of the
+accumulation window completes, while backward still runs; the optimizer only copies the
+buckets that were not streamed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from shardspeed.zero.offload.host import copy_to_host
 from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout
 
 if TYPE_CHECKING:
@@ -82,12 +86,14 @@ class FlatGroup:
         offloaded = offload is not None and offload.offload_optimizer
         self.masters: list[torch.Tensor] = []
         self.host_grads: list[torch.Tensor] = []  # (shard_numel,) master dtype, with offload
+        self.host_grad_staged: list[bool] = []  # host_grads[i] already holds the final grads
         for bucket in self.layout.buckets:
             shard = self.param_shard(bucket)
             if offloaded:
                 assert offload is not None
                 self.masters.append(offload.new_master(shard, master_dtype))
                 self.host_grads.append(offload.new_host_grad(shard.numel(), master_dtype))
+                self.host_grad_staged.append(False)
             elif param_dtype == master_dtype:
                 self.masters.append(shard)  # alias: the optimizer updates the params in place
             else:
@@ -129,18 +135,25 @@ class FlatGroup:
             return self.flat_grad[lo:hi]
         return self.shard_grads[bucket.index]
 
-    def optimizer_grad(self, bucket: BucketSpec) -> torch.Tensor:
-        """The gradient the optimizer reads: the shard itself, or (offload) its host copy.
+    def stage_host_grad(self, bucket: BucketSpec) -> None:
+        """Start the device -> host copy of the bucket's final (reduced) gradient slice.
 
-        The device -> host copy is asynchronous from pinned memory; the caller
-        synchronises the device before reading it.
+        Called by the reducer when the bucket's last reduction of the accumulation window
+        has completed; the copy is asynchronous on CUDA and the optimizer synchronises the
+        device before reading it. A no-op without optimizer offload.
         """
-        grad = self.shard_grad(bucket)
+        if self.host_grads:
+            copy_to_host(self.host_grads[bucket.index], self.shard_grad(bucket))
+            self.host_grad_staged[bucket.index] = True
+
+    def optimizer_grad(self, bucket: BucketSpec) -> torch.Tensor:
+        """The gradient the optimizer reads: the shard itself, or (offload) its host copy,
+        started now unless the reducer already streamed it during backward."""
         if not self.host_grads:
-            return grad
-        host = self.host_grads[bucket.index]
-        host.copy_(grad, non_blocking=host.is_pinned())
-        return host
+            return self.shard_grad(bucket)
+        if not self.host_grad_staged[bucket.index]:
+            self.stage_host_grad(bucket)
+        return self.host_grads[bucket.index]
 
     # -- updates ------------------------------------------------------------------------
     def zero_grads(self) -> None:
@@ -150,6 +163,7 @@ class FlatGroup:
                 self.attach_grad_views()
         for g in self.shard_grads:
             g.zero_()
+        self.host_grad_staged = [False] * len(self.host_grads)
 
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:

@@ -25,6 +25,7 @@ import torch.nn as nn
 from shardspeed import comm
 from shardspeed.zero.init_partition import full_shape, take_full_data
 from shardspeed.zero.offload import OffloadRuntime
+from shardspeed.zero.offload.host import copy_to_host
 from shardspeed.zero.offload.shard_storage import DeviceShard, ShardStorage
 from shardspeed.zero.partition import build_layout, param_shard_fragments
 
@@ -105,6 +106,7 @@ class ShardedFlat:
         self.shard_numel = shard.numel()
         self.param_dtype = shard.dtype
         self.host_grad: torch.Tensor | None = None
+        self.host_grad_staged = False  # host_grad already holds the window's final gradient
         runtime = self.offload
         if runtime is not None and runtime.offload_optimizer:
             self.master = runtime.new_master(shard, master_dtype)
@@ -215,16 +217,28 @@ class ShardedFlat:
                 out[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
 
-    def optimizer_grad(self) -> torch.Tensor:
-        """The gradient shard the optimizer reads: the host copy when offloading.
-
-        The device -> host copy is asynchronous from pinned memory; the optimizer
-        synchronises the device before reading it.
-        """
+    def stage_host_grad(self) -> None:
+        """Start the device -> host copy of the final (reduced) gradient shard; the
+        reducer calls it when the shard's last reduction of the window completed, so the
+        copy overlaps the rest of backward. A no-op without optimizer offload."""
         if self.host_grad is not None:
-            self.host_grad.copy_(self.grad_shard, non_blocking=self.host_grad.is_pinned())
-            return self.host_grad
-        return self.grad_shard
+            copy_to_host(self.host_grad, self.grad_shard)
+            self.host_grad_staged = True
+
+    def optimizer_grad(self) -> torch.Tensor:
+        """The gradient shard the optimizer reads: the host copy when offloading (started
+        now unless the reducer streamed it already). The optimizer synchronises the device
+        before reading it."""
+        if self.host_grad is None:
+            return self.grad_shard
+        if not self.host_grad_staged:
+            self.stage_host_grad()
+        return self.host_grad
+
+    def zero_grad_shard(self) -> None:
+        """Zero the accumulated gradient shard for the next accumulation window."""
+        self.grad_shard.zero_()
+        self.host_grad_staged = False
 
     @torch.no_grad()
     def copy_master_to_shard(self) -> None:

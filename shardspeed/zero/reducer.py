@@ -14,6 +14,12 @@ Stage policy:
 * stage 2: reduce-scatter each bucket on every micro-step and accumulate the slice into
   the rank's gradient shard; the full gradients are freed immediately.
 
+With optimizer offload the reduced gradient slices must also reach the host. On the
+micro-step that ends the accumulation window, every grad-ready hook also completes the
+reductions that have already finished and starts their device -> host copies
+(:meth:`FlatGroup.stage_host_grad`), so the copies stream while backward computes the
+remaining gradients instead of all waiting for the optimizer step.
+
 On gloo, reduce-scatter costs about twice an all-reduce of the same buffer (measured: 19 ms
 vs 10 ms for 3.3M fp32 on 2 ranks), the opposite of NCCL. Stages 1/2 hold the full bucket
 anyway (the gradient buffer, or the staging copy), so on gloo the "scatter" is an in-place
@@ -70,6 +76,9 @@ class GradReducer:
         self.sync_enabled = True
         self.scatter_via_all_reduce = backend_of(dp_group) == "gloo"
         self.dirty = False  # a gradient arrived since the last completed reduction
+        # Optimizer offload: finish reductions early on the boundary micro-step and stream
+        # each bucket's final gradient slice to its host buffer.
+        self.streams_to_host = stage >= 1 and any(grp.host_grads for grp in groups)
 
         # One global launch order: the bucket holding the latest-registered parameters first.
         order = [(g, b.index) for g, grp in enumerate(groups) for b in grp.buckets]
@@ -116,6 +125,8 @@ class GradReducer:
             self.ready[pos] = True
             if self.overlap:
                 self._launch_ready()
+                if self.streams_to_host and self.is_boundary():
+                    self._complete_finished()
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.order) and self.ready[self.next_launch]:
@@ -151,6 +162,19 @@ class GradReducer:
             self.in_flight.append(_InFlight(group, bucket, work, out, full=False))
 
     # -- completion ----------------------------------------------------------------------
+    @torch.no_grad()
+    def _complete_finished(self) -> None:
+        """Finish (and stream to the host) the in-flight reductions that are already done."""
+        pending: list[_InFlight] = []
+        for item in self.in_flight:
+            if item.work is None or item.work.is_completed():  # type: ignore[attr-defined]
+                if item.work is not None:
+                    item.work.wait()  # type: ignore[attr-defined]  # raises a failure
+                self._finish(item)
+            else:
+                pending.append(item)
+        self.in_flight = pending
+
     @torch.no_grad()
     def flush(self) -> None:
         """Launch every remaining bucket, wait, and store the averaged gradients.
@@ -188,6 +212,8 @@ class GradReducer:
                 dst.copy_(out)
         else:  # stage 2: accumulate into the shard across micro-steps
             group.shard_grad(bucket).add_(out)
+        if self.streams_to_host and self.is_boundary():
+            group.stage_host_grad(bucket)  # the window's final gradient: stream it now
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
