@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -165,15 +166,9 @@ class GradReducer:
     @torch.no_grad()
     def _complete_finished(self) -> None:
         """Finish (and stream to the host) the in-flight reductions that are already done."""
-        pending: list[_InFlight] = []
-        for item in self.in_flight:
-            if item.work is None or item.work.is_completed():  # type: ignore[attr-defined]
-                if item.work is not None:
-                    item.work.wait()  # type: ignore[attr-defined]  # raises a failure
-                self._finish(item)
-            else:
-                pending.append(item)
-        self.in_flight = pending
+        done, self.in_flight = take_completed(self.in_flight, lambda item: item.work)
+        for item in done:
+            self._finish(item)
 
     @torch.no_grad()
     def flush(self) -> None:
@@ -219,6 +214,25 @@ class GradReducer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+T = TypeVar("T")
+
+
+def take_completed(items: list[T], work_of: Callable[[T], Any]) -> tuple[list[T], list[T]]:
+    """Split in-flight reductions into (those whose collective has completed, the rest),
+    keeping their order. Completed handles are waited on, which re-raises a failure."""
+    done: list[T] = []
+    pending: list[T] = []
+    for item in items:
+        work = work_of(item)
+        if work is None or work.is_completed():
+            if work is not None:
+                work.wait()
+            done.append(item)
+        else:
+            pending.append(item)
+    return done, pending
 
 
 def backend_of(group: object | None) -> str:

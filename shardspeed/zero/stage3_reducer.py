@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
-from shardspeed.zero.reducer import backend_of
+from shardspeed.zero.reducer import backend_of, take_completed
 
 
 class Stage3Reducer:
@@ -132,15 +132,9 @@ class Stage3Reducer:
     @torch.no_grad()
     def _complete_finished(self) -> None:
         """Finish (and stream to the host) the in-flight reductions that are already done."""
-        pending = []
-        for flat, out, work in self.in_flight:
-            if work is None or work.is_completed():  # type: ignore[attr-defined]
-                if work is not None:
-                    work.wait()  # type: ignore[attr-defined]  # raises a failure
-                self._finish(flat, out)
-            else:
-                pending.append((flat, out, work))
-        self.in_flight = pending
+        done, self.in_flight = take_completed(self.in_flight, lambda item: item[2])
+        for flat, out, _ in done:
+            self._finish(flat, out)
 
     def _finish(self, flat: ShardedFlat, out: torch.Tensor) -> None:
         if self.post_factor != 1.0:

@@ -188,22 +188,14 @@ def sum_in_engine_order(
     return _fold(per_rank)
 
 
-def engine_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same training through shardspeed.initialize on the current process group."""
-    import shardspeed
+def train_steps(engine: Any, spec: ParitySpec, steps: range) -> list[float]:
+    """Train ``engine`` for ``steps`` (each ``spec.gas`` micro-batches, this rank's share of
+    the global batch); the loss of every step averaged over all ranks and micro-batches."""
     from shardspeed import comm
 
     rank, world = comm.get_rank(), comm.get_world_size()
-    assert world == spec.world, (world, spec.world)
-    model = make_model(spec)
-    optimizer = None
-    if spec.two_groups:
-        from shardspeed.optim import build_optimizer
-
-        optimizer = build_optimizer("AdamW", {"lr": spec.lr}, param_groups(model, spec))
-    engine, _, _, _ = shardspeed.initialize(model=model, optimizer=optimizer, config=spec.config())
     losses = []
-    for step in range(spec.steps):
+    for step in steps:
         total = torch.zeros((), dtype=torch.float64)
         for k in range(spec.gas):
             x, y = micro_batch(spec, step, k * world + rank)
@@ -213,6 +205,24 @@ def engine_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
             total += float(loss.detach())
         comm.all_reduce(total)
         losses.append(float(total) / (world * spec.gas))
+    return losses
+
+
+def engine_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same training through shardspeed.initialize on the current process group."""
+    import shardspeed
+    from shardspeed import comm
+
+    world = comm.get_world_size()
+    assert world == spec.world, (world, spec.world)
+    model = make_model(spec)
+    optimizer = None
+    if spec.two_groups:
+        from shardspeed.optim import build_optimizer
+
+        optimizer = build_optimizer("AdamW", {"lr": spec.lr}, param_groups(model, spec))
+    engine, _, _, _ = shardspeed.initialize(model=model, optimizer=optimizer, config=spec.config())
+    losses = train_steps(engine, spec, range(spec.steps))
     final = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return losses, final

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, reference_run
+from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
 
 from shardspeed.checkpoint import (
     get_fp32_state_dict_from_checkpoint,
@@ -157,24 +157,6 @@ def _spec(world: int, stage: int, steps: int = 3) -> ParitySpec:
     )
 
 
-def _train_steps(engine, spec: ParitySpec, steps: range) -> list[float]:
-    from shardspeed import comm
-
-    rank, world = comm.get_rank(), comm.get_world_size()
-    losses = []
-    for step in steps:
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(spec.gas):
-            x, y = micro_batch(spec, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * spec.gas))
-    return losses
-
-
 def _new_engine(spec: ParitySpec, seed: int | None = None):
     import shardspeed
 
@@ -189,7 +171,7 @@ def _reshard_rank(jobs: list[dict]) -> list:
         spec = job["spec"]
         if job["op"] == "save":
             engine = _new_engine(spec)
-            losses = _train_steps(engine, spec, range(3))
+            losses = train_steps(engine, spec, range(3))
             save_checkpoint(engine, job["dir"])
             out.append(losses)
         elif job["op"] == "load":
@@ -197,14 +179,14 @@ def _reshard_rank(jobs: list[dict]) -> list:
             load_checkpoint(engine, job["src"])
             assert engine.global_steps == 3
             save_checkpoint(engine, job["resave"])
-            losses = _train_steps(engine, spec, range(3, 6))
+            losses = train_steps(engine, spec, range(3, 6))
             out.append((losses, _params(engine)))
         else:  # kill: a save that dies midway must leave the previous tag loadable
             engine = _new_engine(spec)
-            _train_steps(engine, spec, range(2))
+            train_steps(engine, spec, range(2))
             save_checkpoint(engine, job["dir"], tag="good")
             good = _params(engine)
-            _train_steps(engine, spec, range(2, 3))
+            train_steps(engine, spec, range(2, 3))
             os.environ["SHARDSPEED_CKPT_FAULT"] = "after_rank_files"
             try:
                 with pytest.raises(RuntimeError, match="simulated crash"):

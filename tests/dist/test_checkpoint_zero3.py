@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, reference_run
+from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
 from test_checkpoint_engine import _all_kinds
 
 from shardspeed.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
@@ -57,24 +57,6 @@ def _new_engine(
     return engine
 
 
-def _train_steps(engine, spec: ParitySpec, steps: range) -> list[float]:
-    from shardspeed import comm
-
-    rank, world = comm.get_rank(), comm.get_world_size()
-    losses = []
-    for step in steps:
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(spec.gas):
-            x, y = micro_batch(spec, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * spec.gas))
-    return losses
-
-
 def _params(engine) -> dict[str, torch.Tensor]:
     """Full parameters by (deduplicated) name; a collective at stage 3."""
     state = engine.state_dict()
@@ -87,19 +69,19 @@ def _resume_and_export(tmp: str) -> dict:
     spec = _spec(2, 3)
     engine = _new_engine(spec, gather16=True)
     assert engine.persistent_flats and any(u.flats for u in engine.units[1:])
-    straight = _train_steps(engine, spec, range(6))
+    straight = train_steps(engine, spec, range(6))
     final = _params(engine)
     assert save_16bit_model(engine, Path(tmp) / "w16", "model.safetensors") is True
     engine.destroy()
 
     engine = _new_engine(spec)
-    first = _train_steps(engine, spec, range(4))
+    first = train_steps(engine, spec, range(4))
     save_checkpoint(engine, Path(tmp) / "resume")
     engine.destroy()
     engine = _new_engine(spec, seed=77)  # different init: everything must come from the load
     path, _ = load_checkpoint(engine, Path(tmp) / "resume")
     assert path is not None and engine.global_steps == 4
-    rest = _train_steps(engine, spec, range(4, 6))
+    rest = train_steps(engine, spec, range(4, 6))
     resumed = _params(engine)
     off = Path(tmp) / f"off_{comm.get_rank()}"
     assert save_16bit_model(engine, off) is False  # flag false at stage 3
@@ -117,7 +99,7 @@ def _reshard_rank(jobs: list[dict]) -> list:
             continue
         if job["op"] == "save":
             engine = _new_engine(spec, offload=job.get("offload", False))
-            losses = _train_steps(engine, spec, range(3))
+            losses = train_steps(engine, spec, range(3))
             save_checkpoint(engine, job["dir"])
             out.append(losses)
         else:
@@ -125,7 +107,7 @@ def _reshard_rank(jobs: list[dict]) -> list:
             load_checkpoint(engine, job["src"])
             assert engine.global_steps == 3
             save_checkpoint(engine, job["resave"])  # must reproduce the saved tensors
-            losses = _train_steps(engine, spec, range(3, 6))
+            losses = train_steps(engine, spec, range(3, 6))
             out.append((losses, _params(engine)))
         engine.destroy()
     return out

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from parity_common import ParitySpec, make_model, micro_batch
+from parity_common import ParitySpec, make_model, train_steps
 
 from shardspeed.testing import run_distributed
 
@@ -38,21 +38,7 @@ def _engine(nvme_path: str | None, seed: int):
 
 
 def _train(engine, steps: range) -> list[float]:
-    from shardspeed import comm
-
-    rank, world = comm.get_rank(), comm.get_world_size()
-    losses = []
-    for step in steps:
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(SPEC.gas):
-            x, y = micro_batch(SPEC, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * SPEC.gas))
-    return losses
+    return train_steps(engine, SPEC, steps)
 
 
 def _params(engine) -> dict[str, torch.Tensor]:

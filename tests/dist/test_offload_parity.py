@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 import torch
-from parity_common import ParitySpec, make_model, micro_batch
+from parity_common import ParitySpec, make_model, train_steps
 from test_zero_parity import check_against_reference
 
 from shardspeed.testing import run_distributed
@@ -75,23 +75,11 @@ def _check_placement(engine, spec: ParitySpec) -> None:
 
 def offload_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     import shardspeed
-    from shardspeed import comm
     from shardspeed.zero import GatheredParameters
 
-    rank, world = comm.get_rank(), comm.get_world_size()
     engine, _, _, _ = shardspeed.initialize(model=make_model(spec), config=spec.config())
     _check_placement(engine, spec)
-    losses = []
-    for step in range(spec.steps):
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(spec.gas):
-            x, y = micro_batch(spec, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * spec.gas))
+    losses = train_steps(engine, spec, range(spec.steps))
     _check_placement(engine, spec)
     info = {"memory": engine.memory_breakdown()}
     swapper = engine.offload.param_swapper

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, param_groups
+from parity_common import ParitySpec, make_model, micro_batch, param_groups, train_steps
 from test_zero_parity import check_against_reference
 
 from shardspeed.testing import run_distributed
@@ -30,10 +30,8 @@ def zero3_spec(world: int, precision: str, gas: int, **zero: object) -> ParitySp
 def zero3_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Like ``parity_common.engine_run``, but reads the final params through GatheredParameters."""
     import shardspeed
-    from shardspeed import comm
     from shardspeed.zero import GatheredParameters
 
-    rank, world = comm.get_rank(), comm.get_world_size()
     model, optimizer = make_model(spec), None
     if spec.two_groups:
         from shardspeed.optim import build_optimizer
@@ -44,17 +42,7 @@ def zero3_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
         flats = [f for g in engine.flat_groups for f in g.flats]
         assert all(f.master is not f.shard and f.master.device.type == "cpu" for f in flats)
         assert all(f.host_grad is not None for f in flats)
-    losses = []
-    for step in range(spec.steps):
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(spec.gas):
-            x, y = micro_batch(spec, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss)
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * spec.gas))
+    losses = train_steps(engine, spec, range(spec.steps))
     params = list(engine.module.parameters())
     assert all(p.numel() == 0 for p in params if not getattr(p, "ds_persist", True))
     with GatheredParameters(params):

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from parity_common import ParitySpec, make_model, micro_batch, reference_run
+from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
 from test_zero3_parity import zero3_spec
 from test_zero_parity import tolerance
 
@@ -67,23 +67,11 @@ def spec_dtype(spec: ParitySpec) -> torch.dtype:
 
 def _train(model: nn.Module, spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     import shardspeed
-    from shardspeed import comm
     from shardspeed.zero import GatheredParameters
 
-    rank, world = comm.get_rank(), comm.get_world_size()
     engine, _, _, _ = shardspeed.initialize(model=model, config=spec.config())
     assert not any(hasattr(p, "_ss_init") for p in model.parameters())  # pieces adopted
-    losses = []
-    for step in range(spec.steps):
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(spec.gas):
-            x, y = micro_batch(spec, step, k * world + rank)
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
-        comm.all_reduce(total)
-        losses.append(float(total) / (world * spec.gas))
+    losses = train_steps(engine, spec, range(spec.steps))
     with GatheredParameters(list(model.parameters())):
         final = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     engine.destroy()
