@@ -195,13 +195,7 @@ def load_checkpoint(
     load_fragments(
         engine, reader, manifest, optimizer_states=optimizer_states, strict=load_module_strict
     )
-    publish = getattr(engine, "checkpoint_publish_params", None)  # ZeRO-3 engine hook
-    if publish is not None:
-        publish()
-    elif engine.optimizer is not None:
-        engine.optimizer._publish_params()  # stage-aware (a ZeRO-3 optimizer overrides it)
-    else:
-        _publish(engine)
+    engine.publish_params()  # masters -> parameter shards -> usable parameters
     client = {k: reader.read(own["file"], k, 0, None) for k in own["client_tensors"]}
     if not load_module_only:
         restore_engine_state(
@@ -218,25 +212,6 @@ def load_checkpoint(
         f"{manifest['stage']}; now world {_world()} stage {engine.stage})"
     )
     return str(tag_dir), join_client_state(own["client_state"], client)
-
-
-@torch.no_grad()
-def _publish(engine: Any) -> None:
-    """Masters -> parameter shards -> all-gathered full parameters."""
-    works = []
-    for group in engine.flat_groups:
-        group.copy_masters_to_params()
-        if group.layout.shard_world_size == 1:
-            continue
-        for bucket in group.buckets:
-            shard = group.param_shard(bucket).clone()
-            works.append(
-                comm.all_gather_into_tensor(
-                    group.bucket_params(bucket), shard, group=engine.dp_group, async_op=True
-                )
-            )
-    for work in works:
-        work.wait()
 
 
 def save_16bit_model(

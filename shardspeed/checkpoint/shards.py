@@ -3,19 +3,15 @@
 Every trainable parameter is stored as the fragments its owners hold (one per owning rank,
 flattened), named by parameter name, kind (``master`` or an optimizer state key such as
 ``exp_avg``) and the element range [start, end) of the flattened parameter. Loading maps
-this rank's fragments of the *new* layout (:func:`param_shard_fragments`) onto the stored
-ranges, so any world size and any stage 0-3 loads any other. The ZeRO-3 engine plugs in
-through ``checkpoint_master_fragments()`` (its fragments, see
-:mod:`shardspeed.zero.stage3_checkpoint`) and ``checkpoint_publish_params()`` (called by
-the load instead of the optimizer's ``_publish_params``); its ``flat_groups`` only need
-``masters``.
+this rank's fragments of the *new* layout (each sharding group's ``master_fragments``,
+see :mod:`shardspeed.zero.fragments`) onto the stored ranges, so any world size and any
+stage 0-3 loads any other.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +28,7 @@ from shardspeed.checkpoint.format import (
     overlapping,
     tensor_key,
 )
-from shardspeed.zero.partition import param_shard_fragments
+from shardspeed.zero.fragments import MasterFragment
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -50,47 +46,12 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     }
 
 
-@dataclass(frozen=True)
-class MasterFragment:
-    """Elements [start, start + length) of parameter ``name`` at ``local`` in ``master``.
-
-    ``master`` is the tensor the optimizer keys its state by; ``writes`` is False where
-    another rank saves the same elements (stage 0 replicas).
-    """
-
-    name: str
-    shape: list[int]
-    start: int
-    length: int
-    master: torch.Tensor
-    local: int
-    writes: bool
-
-
 def master_fragments(engine: Any) -> Iterator[MasterFragment]:
-    """This rank's master fragments. An engine with another layout (ZeRO-3) plugs in by
-    defining ``checkpoint_master_fragments()`` yielding :class:`MasterFragment`."""
-    custom = getattr(engine, "checkpoint_master_fragments", None)
-    if custom is not None:
-        yield from custom()
-        return
+    """This rank's master fragments, as the engine's sharding layout places them."""
     names = param_names(engine.module)
     replicated = _replicated_ids(engine)
     for group in engine.flat_groups:
-        layout = group.layout
-        writes = layout.shard_world_size > 1 or engine.dp_rank == 0
-        for p_idx, p_start, length, shard_off in param_shard_fragments(layout, group.shard_rank):
-            param = group.params[p_idx]
-            bucket = layout.slots[p_idx].bucket_index
-            yield MasterFragment(
-                name=names[id(param)],
-                shape=list(param.shape),
-                start=p_start,
-                length=length,
-                master=group.masters[bucket],
-                local=shard_off - layout.shard_offset(bucket),
-                writes=writes and id(param) not in replicated,
-            )
+        yield from group.master_fragments(names, engine.dp_rank, replicated)
 
 
 def _replicated_ids(engine: Any) -> set[int]:
@@ -104,10 +65,7 @@ def _replicated_ids(engine: Any) -> set[int]:
 
 def trainable_ids(engine: Any) -> set[int]:
     """ids of the parameters the engine trains (the rest are saved whole as frozen)."""
-    groups = engine.flat_groups
-    if groups and all(hasattr(g, "params") for g in groups):
-        return {id(p) for g in groups for p in g.params}
-    return {id(p) for p in engine.module.parameters() if p.requires_grad}
+    return {id(p) for g in engine.flat_groups for p in g.params}
 
 
 def _is_elementwise_state(value: Any, master: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ optimizer (unscale, overflow check, clip, update, all-gather) and the LR schedul
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -24,16 +24,26 @@ from shardspeed.runtime.memory import memory_breakdown
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.utils.logging import get_logger, log_dist
-from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.grad_norm import GradNorm
+from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
+from shardspeed.zero.init_partition import full_numel
 from shardspeed.zero.offload import OffloadRuntime
 from shardspeed.zero.optimizer import ShardedOptimizer, StepResult
 from shardspeed.zero.reducer import GradReducer
+from shardspeed.zero.sharding import ShardingContext, build_sharding
 
 logger = get_logger(__name__)
 
 
 class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
-    """Wraps a model for sharded data-parallel training (ZeRO stages 0-2)."""
+    """Wraps a model for sharded data-parallel training (ZeRO stages 0-3).
+
+    Assembled from policies chosen once: the stage's sharding layout
+    (:class:`~shardspeed.zero.sharding.FlatSharding` or
+    :class:`~shardspeed.zero.unit_sharding.UnitSharding`), the gradient reduction (the
+    communication seam, :mod:`shardspeed.zero.grad_reduction`), the gradient norm
+    (:class:`~shardspeed.zero.grad_norm.GradNorm`), precision and offload.
+    """
 
     def __init__(
         self,
@@ -45,21 +55,17 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         lr_scheduler: Any = None,
         mpu: Any = None,
         dp_group: Any = None,
+        norm_groups: Sequence[Any] = (),
+        replicated_params: Sequence[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         self._init_state(model, config, mpu, dp_group)
-        if self.stage > 2:
-            raise ValueError(
-                f"zero_optimization.stage={self.stage} is handled by the stage-3 engine; "
-                "this engine implements stages 0-2."
-            )
-
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
-        self.offload = self._build_offload(
-            optimizer, sum(p.numel() for g in groups for p in g["params"])
-        )
-        self.flat_groups = self._build_flat_groups(groups)
+        numel = sum(full_numel(p) for g in groups for p in g["params"])
+        self.offload = self._build_offload(optimizer, numel)
+        self.sharding = build_sharding(self._sharding_context(), groups, model)
+        self.flat_groups = self.sharding.groups
         self.basic_optimizer = rebind_optimizer(
             optimizer,
             config.optimizer,
@@ -69,16 +75,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(
-            self.flat_groups,
-            stage=self.stage,
-            dp_group=dp_group,
-            dp_world_size=self.dp_world_size,
-            reduce_dtype=self.precision.reduce_dtype,
+            self.sharding.grad_slots(),
+            self._grad_reduction(),
+            self.sharding.reduction_policy(),
             is_boundary=self.is_gradient_accumulation_boundary,
-            predivide_factor=config.gradient_predivide_factor,
-            prescale_gradients=config.prescale_gradients,
-            overlap=self._overlap_comm(),
         )
+        self.sharding.reducer = self.reducer
         self.optimizer: ShardedOptimizer | None = None
         if self.basic_optimizer is not None:
             self._check_optimizer_supported(self.basic_optimizer)
@@ -86,9 +88,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 self.basic_optimizer,
                 self.flat_groups,
                 self.reducer,
-                stage=self.stage,
-                dp_group=dp_group,
-                dp_world_size=self.dp_world_size,
+                publish=self.sharding.publish,
+                grad_norm=self._grad_norm(norm_groups, replicated_params),
                 loss_scaler=self.loss_scaler,
                 gradient_clipping=config.gradient_clipping,
                 check_overflow=self._checks_overflow(),
@@ -102,8 +103,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self.reporter = StepReporter(self)
         log_dist(
             f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
-            f"param dtype {self.precision.param_dtype}, "
-            f"{sum(p.numel() for g in groups for p in g['params']):,} trainable parameters, "
+            f"{self.sharding.describe()}, param dtype {self.precision.param_dtype}, "
+            f"{numel:,} trainable parameters, "
             f"micro batch {config.train_micro_batch_size_per_gpu}, "
             f"GAS {config.gradient_accumulation_steps}, {self.offload.policy.describe()}"
         )
@@ -112,7 +113,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     def _init_state(
         self, model: nn.Module, config: ShardSpeedConfig, mpu: Any, dp_group: Any
     ) -> None:
-        """Identity (ranks, groups, device, precision) and step counters, shared by subclasses."""
+        """Identity (ranks, groups, device, precision) and step counters."""
         self.module = model
         self._config = config
         self.config = config.raw
@@ -138,6 +139,46 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             config.collective_check, dp_group, self.device
         )
 
+    def _sharding_context(self) -> ShardingContext:
+        p, config = self.precision, self._config
+        return ShardingContext(
+            stage=self.stage,
+            dp_group=self.dp_group,
+            dp_world_size=self.dp_world_size,
+            dp_rank=self.dp_rank,
+            device=self.device,
+            param_dtype=p.param_dtype,
+            grad_dtype=p.grad_dtype(config.gradient_accumulation_steps),
+            reduce_dtype=p.reduce_dtype,
+            master_dtype=p.master_dtype,
+            offload=self.offload,
+            zero=config.zero_optimization,
+            overlap=self._overlap_comm(),
+            pre_factor=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+        )
+
+    def _grad_reduction(self) -> GradReduction:
+        """The communication seam: an optimizer that reduces by itself gets local grads."""
+        if getattr(self.basic_optimizer, "reduces_gradients", False):
+            return LocalGradients()
+        return BucketedReduction(self.dp_group, self.dp_world_size)
+
+    def _grad_norm(
+        self, extra_groups: Sequence[Any], replicated: Sequence[nn.Parameter]
+    ) -> GradNorm:
+        """Sum squared norms over the data axis when gradients are sharded over it (every
+        data rank holds the same reduced gradients at stage 0), plus ``extra_groups``
+        (the pipe axis); ``replicated`` parameters are counted by another rank."""
+        groups = [self.dp_group] if self.stage >= 1 and self.dp_world_size > 1 else []
+        skip = {id(p) for p in replicated}
+        excluded = []
+        base = 0
+        for group in self.flat_groups:
+            for index, lo, hi in group.master_slices(skip):
+                excluded.append((base + index, lo, hi))
+            base += len(group.masters)
+        return GradNorm([*groups, *extra_groups], self.device, excluded)
+
     def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
         """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""
         return OffloadRuntime.from_config(
@@ -149,26 +190,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             param_dtype=self.precision.param_dtype,
             master_dtype=self.precision.master_dtype,
         )
-
-    def _build_flat_groups(self, groups: list[dict[str, Any]]) -> list[FlatGroup]:
-        p = self.precision
-        grad_dtype = p.grad_dtype(self._config.gradient_accumulation_steps)
-        sharded = self.stage >= 1
-        return [
-            FlatGroup(
-                g["params"],
-                shard_world_size=self.dp_world_size if sharded else 1,
-                shard_rank=self.dp_rank if sharded else 0,
-                bucket_size=int(self._config.zero_optimization.reduce_bucket_size),
-                param_dtype=p.param_dtype,
-                grad_dtype=grad_dtype,
-                master_dtype=p.master_dtype,
-                full_grads=self.stage <= 1,
-                device=self.device,
-                offload=self.offload,
-            )
-            for g in groups
-        ]
 
     def _overlap_comm(self) -> bool:
         """Overlap reduction with backward unless the user set ``overlap_comm: false``.
@@ -300,13 +321,28 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 f"no_sync() is incompatible with zero_optimization.stage={self.stage}: gradients "
                 "are reduce-scattered as they are produced. Use gradient_accumulation_steps."
             )
-        self.reducer.sync_enabled = False
+        self.set_gradient_reduction(False)
         self._in_no_sync = True
         try:
             yield
         finally:
-            self.reducer.sync_enabled = True
+            self.set_gradient_reduction(True)
             self._in_no_sync = False
+
+    def set_gradient_reduction(self, enabled: bool) -> None:
+        """Reduce gradients during ``backward`` (default) or leave them to accumulate locally
+        until :meth:`allreduce_gradients` (the pipeline schedule reduces once per batch)."""
+        self.reducer.sync_enabled = enabled
+
+    def allreduce_gradients(self, bucket_size: int | None = None) -> None:
+        """Reduce the locally accumulated gradients now, as on an accumulation boundary.
+
+        ``bucket_size`` is accepted for DeepSpeed compatibility; buckets are laid out once
+        from ``reduce_bucket_size``.
+        """
+        self.set_gradient_reduction(True)
+        self._boundary_override = True
+        self.reducer.flush()
 
     # -- queries ---------------------------------------------------------------------------
     def was_step_applied(self) -> bool:
@@ -328,10 +364,23 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         return memory_breakdown(self)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return self.module.state_dict(*args, **kwargs)
+        """The module's full state dict in its own names (a collective call at stage 3)."""
+        return self.sharding.full_state_dict(self.module, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        return self.module.load_state_dict(state_dict, strict=strict)
+        """Load a full state dict (every rank passes the same one; at stage 3 the shards and
+        masters are updated too)."""
+        return self.sharding.load_full_state_dict(self.module, state_dict, strict)
+
+    @torch.no_grad()
+    def publish_params(self) -> None:
+        """Masters -> parameter shards -> usable parameters (after a checkpoint load)."""
+        if self.optimizer is not None:
+            self.optimizer._publish_params()  # respects NVMe-swapped masters
+            return
+        for group in self.flat_groups:
+            group.copy_masters_to_params()
+        self.sharding.publish()
 
     def train(self, mode: bool = True) -> ShardSpeedEngine:
         self.module.train(mode)
@@ -445,6 +494,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
 
         Waits for an asynchronous checkpoint save and raises if it failed.
         """
+        self.sharding.remove()
         self.reducer.remove_hooks()
         self.reporter.close()
         self.wait_checkpoint()

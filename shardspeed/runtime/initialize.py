@@ -122,13 +122,7 @@ def _build_engine(
 
     from shardspeed.runtime.engine import ShardSpeedEngine
 
-    if cfg.zero_optimization.stage == 3:
-        from shardspeed.zero.stage3_engine import Stage3Engine as engine_cls
-    else:
-        engine_cls = ShardSpeedEngine
-        stage = cfg.zero_optimization.stage
-        materialize_init_params(model, f"zero.Init model trained at ZeRO stage {stage}")
-    engine = engine_cls(
+    engine = ShardSpeedEngine(
         model,
         cfg,
         optimizer=optimizer,

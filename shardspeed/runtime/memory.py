@@ -38,12 +38,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     return total
 
 
-def _managed_param_ids(group: Any) -> set[int]:
-    flats = getattr(group, "flats", None)  # a stage-3 group: one ShardedFlat per unit
-    params = [p for f in flats for p in f.params] if flats is not None else group.params
-    return {id(p) for p in params}
-
-
 def memory_breakdown(engine: Any) -> dict[str, int]:
     """Bytes held on this rank by category, plus ``total``, ``host``, ``device``, ``nvme``.
 
@@ -54,7 +48,7 @@ def memory_breakdown(engine: Any) -> dict[str, int]:
     host = 0
     managed: set[int] = set()
     for group in engine.flat_groups:
-        managed |= _managed_param_ids(group)
+        managed |= {id(p) for p in group.params}
         for key, value in group.storage_bytes().items():
             if key == "host":
                 host += value

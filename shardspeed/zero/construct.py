@@ -100,7 +100,7 @@ class Init(contextlib.ContextDecorator):
         self.world = comm.get_world_size(group=self.group)
         self.rank = comm.get_rank(group=self.group)
         from shardspeed.accelerator import get_accelerator
-        from shardspeed.zero.reducer import backend_of
+        from shardspeed.zero.grad_reduction import backend_of
 
         self.compute_device = get_accelerator().device(comm.get_local_rank())
         self.comm_device = self.compute_device

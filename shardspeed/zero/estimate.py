@@ -303,8 +303,8 @@ def model_sizes(
     param_persistence_threshold: int = 0,
     model_persistence_threshold: int | None = None,
 ) -> ModelSizes:
-    """Count ``model``'s parameters the way ``Stage3Engine`` groups them (shared ones once)."""
-    from shardspeed.zero.stage3_engine import assign_params, split_units
+    """Count ``model``'s parameters the way stage 3 (``UnitSharding``) groups them (shared ones once)."""
+    from shardspeed.zero.unit_sharding import assign_params, split_units
 
     units = split_units(model)
     owner = assign_params(model, units)

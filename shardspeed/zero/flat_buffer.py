@@ -22,13 +22,15 @@ buckets that were not streamed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from shardspeed.zero.fragments import MasterFragment
 from shardspeed.zero.offload.host import copy_to_host
-from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout
+from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout, param_shard_fragments
 
 if TYPE_CHECKING:
     from shardspeed.zero.offload import OffloadRuntime
@@ -194,6 +196,63 @@ class FlatGroup:
         for idx in bucket.param_indices:
             self.params[idx].grad = None
 
+    def master_fragments(
+        self, names: dict[int, str], dp_rank: int, replicated: set[int]
+    ) -> Iterator[MasterFragment]:
+        """This rank's fragment of every parameter, in its bucket's master."""
+        layout = self.layout
+        writes = layout.shard_world_size > 1 or dp_rank == 0  # stage 0: rank 0 writes
+        for p_idx, p_start, length, shard_off in param_shard_fragments(layout, self.shard_rank):
+            param = self.params[p_idx]
+            bucket = layout.slots[p_idx].bucket_index
+            yield MasterFragment(
+                name=names[id(param)],
+                shape=list(param.shape),
+                start=p_start,
+                length=length,
+                master=self.masters[bucket],
+                local=shard_off - layout.shard_offset(bucket),
+                writes=writes and id(param) not in replicated,
+            )
+
+    def master_slices(self, param_ids: set[int]) -> list[tuple[int, int, int]]:
+        """``(master index, lo, hi)``: the parts of this rank's masters holding the given
+        parameters (the gradient norm leaves out parameters another rank counts)."""
+        out = []
+        for i, param in enumerate(self.params):
+            if id(param) not in param_ids:
+                continue
+            slot = self.layout.slots[i]
+            bucket = self.buckets[slot.bucket_index]
+            lo, hi = bucket.shard_range(self.shard_rank)
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                out.append((bucket.index, start - lo, end - lo))
+        return out
+
+    def grad_slots(self, group_index: int) -> list[FlatBucket]:
+        """One reducer slot per bucket (see :class:`shardspeed.zero.reducer.GradSlot`)."""
+        return [FlatBucket(self, b, group_index) for b in self.buckets]
+
+    def accumulate_grad(self, param_index: int) -> None:
+        """Grad hook, stages 0/1: make sure ``param.grad`` landed in the flat buffer.
+
+        With views, autograd accumulates in place unless someone replaced ``.grad`` (e.g.
+        ``zero_grad(set_to_none=True)``); 16-bit gradients accumulated in a wider dtype
+        are added into the buffer and dropped.
+        """
+        if self.flat_grad is None:
+            return
+        param = self.params[param_index]
+        view = self.grad_view(param_index)
+        if self.grads_are_views:
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad)
+                param.grad = view
+        elif param.grad is not None:
+            view.add_(param.grad)
+            param.grad = None
+
     def storage_bytes(self) -> dict[str, int]:
         """Persistent bytes this group holds in memory, by category; ``host`` is the part of
         them that optimizer offload keeps in host memory (masters swapped to NVMe hold none)."""
@@ -212,3 +271,48 @@ class FlatGroup:
             "master_params": masters,
             "host": host,
         }
+
+
+class FlatBucket:
+    """One bucket of a :class:`FlatGroup` as a reducer slot."""
+
+    def __init__(self, group: FlatGroup, bucket: BucketSpec, group_index: int) -> None:
+        self.group = group
+        self.bucket = bucket
+        self.params = [group.params[i] for i in bucket.param_indices]
+        self._index = {id(p): i for p, i in zip(self.params, bucket.param_indices)}
+        self.streams_to_host = bool(group.host_grads)
+        self.label = f"group {group_index} bucket {bucket.index}"
+        self._sharded = group.layout.shard_world_size > 1
+
+    def describe(self) -> str:
+        return self.label
+
+    def owned_range(self) -> tuple[int, int] | None:
+        if not self._sharded:
+            return None
+        lo, hi = self.bucket.shard_range(self.group.shard_rank)
+        return lo - self.bucket.start, hi - self.bucket.start
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        self.group.accumulate_grad(self._index[id(param)])
+
+    def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
+        group, bucket = self.group, self.bucket
+        if group.flat_grad is not None:  # stages 0/1: reduce the full buffer in place
+            src = group.bucket_grads(bucket)
+            return src if src.dtype == dtype else src.to(dtype)
+        buf = torch.empty(bucket.numel, dtype=dtype, device=group.device)
+        group.pack_bucket_grads(bucket, buf)
+        group.release_bucket_grads(bucket)
+        return buf
+
+    def store(self, reduced: torch.Tensor) -> None:
+        dst = self.group.shard_grad(self.bucket)
+        if self.group.flat_grad is None:  # stage 2: accumulate across micro-steps
+            dst.add_(reduced)
+        elif dst.data_ptr() != reduced.data_ptr():
+            dst.copy_(reduced)
+
+    def stage_host_grad(self) -> None:
+        self.group.stage_host_grad(self.bucket)

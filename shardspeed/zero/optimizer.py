@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from shardspeed import comm
 from shardspeed.precision.loss_scaler import LossScaler
 from shardspeed.utils.logging import get_logger
-from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.grad_norm import GradNorm
 from shardspeed.zero.offload.host import synchronize
 from shardspeed.zero.reducer import GradReducer
 
@@ -48,22 +47,20 @@ class ShardedOptimizer:
     def __init__(
         self,
         inner: torch.optim.Optimizer,
-        groups: list[FlatGroup],
+        groups: Sequence[Any],
         reducer: GradReducer,
         *,
-        stage: int,
-        dp_group: object | None,
-        dp_world_size: int,
+        publish: Callable[[], None],
+        grad_norm: GradNorm,
         loss_scaler: LossScaler,
         gradient_clipping: float,
         check_overflow: bool,
     ) -> None:
         self.optimizer = inner
-        self.groups = groups
+        self.groups = groups  # FlatGroup (stages 0-2) or UnitGroup (stage 3) per param group
         self.reducer = reducer
-        self.stage = stage
-        self.dp_group = dp_group
-        self.dp_world_size = dp_world_size
+        self.publish = publish  # the sharding's "parameter shards -> usable parameters"
+        self.grad_norm = grad_norm
         self.loss_scaler = loss_scaler
         self.gradient_clipping = gradient_clipping
         self.check_overflow = check_overflow
@@ -132,7 +129,7 @@ class ShardedOptimizer:
     def step(self) -> StepResult:
         self.reducer.flush()
         self._unscale_into_master_grads(1.0 / self.loss_scaler.loss_scale)
-        grad_norm = self._global_grad_norm()
+        grad_norm = self.grad_norm(self._grads)
         if self.check_overflow and not math.isfinite(grad_norm):
             self.loss_scaler.update(overflow=True)
             self.zero_grad()
@@ -171,17 +168,6 @@ class ShardedOptimizer:
         """The device collectives run on (where the parameter shards are)."""
         return self.groups[0].device if self.groups else torch.device("cpu")
 
-    def _global_grad_norm(self) -> float:
-        grads = self.master_grads()
-        if grads:
-            norms = torch._foreach_norm(grads, 2.0)
-            sq = torch.stack([n.float() for n in norms]).pow(2).sum().to(self._device())
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=self._device())
-        if self.stage >= 1 and self.dp_world_size > 1:
-            comm.all_reduce(sq, group=self.dp_group)
-        return float(sq.sqrt())
-
     def _clip(self, grad_norm: float) -> None:
         if self.gradient_clipping <= 0:
             return
@@ -203,18 +189,7 @@ class ShardedOptimizer:
                 group.copy_masters_to_params()
 
     def _publish_params(self) -> None:
-        """Write masters into the parameter shards and all-gather the full parameters."""
+        """Write masters into the parameter shards and make the parameters usable again
+        (all-gather at stages 1/2, release the gathered units at stage 3)."""
         self._copy_masters_to_params()
-        works = []
-        for group in self.groups:
-            if self.stage == 0 or self.dp_world_size == 1:
-                continue
-            for bucket in group.buckets:
-                shard = group.param_shard(bucket).clone()
-                works.append(
-                    comm.all_gather_into_tensor(
-                        group.bucket_params(bucket), shard, group=self.dp_group, async_op=True
-                    )
-                )
-        for work in works:
-            work.wait()
+        self.publish()

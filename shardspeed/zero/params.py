@@ -65,6 +65,7 @@ class ShardedFlat:
         self.device = device
         self.persistent = persistent
         self.offload = offload
+        self.label = "<persistent>" if persistent else f"unit {unit_id}"  # reducer tags
         shapes = [full_shape(p) for p in params]  # ds_shape of zero.Init-partitioned params
         numels = [shape.numel() for shape in shapes]
         self.layout = build_layout(numels, max(sum(numels), 1), world)
@@ -207,7 +208,28 @@ class ShardedFlat:
         else:
             self.master.copy_(values)
 
-    # -- gradients ----------------------------------------------------------------------
+    # -- gradients (the reducer's slot interface: shardspeed.zero.reducer.GradSlot) -------
+    @property
+    def streams_to_host(self) -> bool:
+        return self.host_grad is not None
+
+    def describe(self) -> str:
+        return self.label
+
+    def owned_range(self) -> tuple[int, int]:
+        return self.bucket.shard_range(self.rank)
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        """Gradients stay in ``param.grad`` until the flat is packed for its reduction."""
+
+    def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(self.numel, dtype=dtype, device=self.device)  # (numel,)
+        self.pack_grads(buf)
+        return buf
+
+    def store(self, reduced: torch.Tensor) -> None:
+        self.grad_shard.add_(reduced)  # accumulate across the window's micro-steps
+
     @torch.no_grad()
     def pack_grads(self, out: torch.Tensor) -> None:
         """Copy ``param.grad`` of every parameter into ``out`` (zeros where absent); free them."""

@@ -1,178 +1,178 @@
-"""Gradient reduction that overlaps with backward.
+"""Gradient reduction that overlaps with backward: one reducer for every ZeRO stage.
 
-A post-accumulate-grad hook on every trainable parameter marks it ready; when all of a
-bucket's parameters are ready the bucket's reduction is launched asynchronously. Buckets
-launch in one fixed global order on every rank (a ready bucket waits for earlier ones), so
+The reducer works on *slots*: a slot is one collective's worth of gradients (a bucket of
+a stage 0-2 :class:`~shardspeed.zero.flat_buffer.FlatGroup`, or a stage-3
+:class:`~shardspeed.zero.params.ShardedFlat`). A post-accumulate-grad hook on every
+trainable parameter marks it ready; when all of a slot's parameters are ready its
+reduction is launched asynchronously through the :class:`GradReduction` strategy. Slots
+launch in one fixed global order on every rank (a ready slot waits for earlier ones), so
 ranks always issue the same collectives in the same order. ``flush()`` launches whatever
 is left (parameters that got no gradient count as zeros) and waits for everything.
 
-Stage policy:
+The policy is small data (:class:`ReductionPolicy`), not a subclass per stage:
 
-* stage 0: all-reduce each bucket of the full gradient buffer, at the accumulation
-  boundary only;
-* stage 1: reduce-scatter each bucket at the boundary; this rank keeps its slice;
-* stage 2: reduce-scatter each bucket on every micro-step and accumulate the slice into
-  the rank's gradient shard; the full gradients are freed immediately.
+* ``every_micro_step``: stages 2/3 reduce on every micro-step and accumulate into the
+  gradient shard (their full gradients are freed as soon as they are packed); stages 0/1
+  keep full gradients and reduce only at the accumulation boundary;
+* ``check``: stage 3 runs a tiny cross-rank agreement before each launch, so a
+  rank-divergent module order raises instead of hanging;
+* ``on_ready`` / ``after_flush``: stage 3 releases a unit's gathered parameters once all
+  its gradients are in, and every gathered unit after the reduction.
 
 With optimizer offload the reduced gradient slices must also reach the host. On the
-micro-step that ends the accumulation window, every grad-ready hook also completes the
-reductions that have already finished and starts their device -> host copies
-(:meth:`FlatGroup.stage_host_grad`), so the copies stream while backward computes the
-remaining gradients instead of all waiting for the optimizer step.
-
-On gloo, reduce-scatter costs about twice an all-reduce of the same buffer (measured: 19 ms
-vs 10 ms for 3.3M fp32 on 2 ranks), the opposite of NCCL. Stages 1/2 hold the full bucket
-anyway (the gradient buffer, or the staging copy), so on gloo the "scatter" is an in-place
-all-reduce from which the rank keeps its slice: same memory, half the time.
+micro-step that ends the accumulation window, grad-ready hooks also complete the
+reductions that have already finished and start their device -> host copies
+(``slot.stage_host_grad()``), so the copies stream while backward computes the remaining
+gradients instead of all waiting for the optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn as nn
 
 from shardspeed import comm
-from shardspeed.zero.flat_buffer import FlatGroup
-from shardspeed.zero.partition import BucketSpec
+from shardspeed.zero.grad_reduction import GradReduction, Launched
+
+
+class GradSlot(Protocol):
+    """What the reducer needs of one collective's worth of gradients."""
+
+    params: list[nn.Parameter]
+    streams_to_host: bool  # optimizer offload: the reduced slice is copied to the host
+
+    def describe(self) -> str: ...
+
+    def owned_range(self) -> tuple[int, int] | None:
+        """This rank's (lo, hi) within the bucket, or None if every rank keeps all of it."""
+        ...
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        """Called first in every grad hook (stages 0/1 accumulate into the flat buffer)."""
+        ...
+
+    def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole padded bucket of gradients, ``(numel,)`` in ``dtype``."""
+        ...
+
+    def store(self, reduced: torch.Tensor) -> None:
+        """Keep this rank's averaged slice (copy, or accumulate across micro-steps)."""
+        ...
+
+    def stage_host_grad(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReductionPolicy:
+    """When the reducer runs and what a stage adds around it (see the module docstring)."""
+
+    every_micro_step: bool
+    reduce_dtype: torch.dtype
+    overlap: bool = True
+    pre_factor: float = 1.0
+    check: Callable[[int, str], None] | None = None
+    on_ready: Callable[[GradSlot], None] | None = None
+    after_flush: Callable[[], None] | None = None
+    tag: str = "reduce_grads"
 
 
 @dataclass
 class _InFlight:
-    group: FlatGroup
-    bucket: BucketSpec
-    work: object | None
-    buffer: torch.Tensor  # what was reduced: the full bucket, or only this rank's slice
-    full: bool  # buffer holds the whole (all-reduced) bucket
+    slot: GradSlot
+    launched: Launched
 
 
 class GradReducer:
-    """Launches and completes gradient reductions for a set of flat groups."""
+    """Launches and completes gradient reductions for an ordered list of slots."""
 
     def __init__(
         self,
-        groups: list[FlatGroup],
+        slots: Sequence[GradSlot],
+        reduction: GradReduction,
+        policy: ReductionPolicy,
         *,
-        stage: int,
-        dp_group: object | None,
-        dp_world_size: int,
-        reduce_dtype: torch.dtype,
         is_boundary: Callable[[], bool],
-        predivide_factor: float = 1.0,
-        prescale_gradients: bool = False,
-        overlap: bool = True,
     ) -> None:
-        self.groups = groups
-        self.stage = stage
-        self.dp_group = dp_group
-        self.dp_world_size = dp_world_size
-        self.reduce_dtype = reduce_dtype
+        self.order = list(slots)
+        self.reduction = reduction
+        self.policy = policy
         self.is_boundary = is_boundary
-        self.overlap = overlap
-        self.pre_factor = predivide_factor if prescale_gradients else 1.0
-        self.post_factor = dp_world_size / self.pre_factor
+        self.post_factor = reduction.world_size / policy.pre_factor
         self.sync_enabled = True
-        self.scatter_via_all_reduce = backend_of(dp_group) == "gloo"
         self.dirty = False  # a gradient arrived since the last completed reduction
-        # Optimizer offload: finish reductions early on the boundary micro-step and stream
-        # each bucket's final gradient slice to its host buffer.
-        self.streams_to_host = stage >= 1 and any(grp.host_grads for grp in groups)
-
-        # One global launch order: the bucket holding the latest-registered parameters first.
-        order = [(g, b.index) for g, grp in enumerate(groups) for b in grp.buckets]
-        order.sort(key=lambda gb: -max(groups[gb[0]].buckets[gb[1]].param_indices, default=-1))
-        self.order = order
-        self.position = {gb: pos for pos, gb in enumerate(order)}
-        self.param_position: dict[nn.Parameter, tuple[int, int, int]] = {}
-        for g, grp in enumerate(groups):
-            for i, p in enumerate(grp.params):
-                self.param_position[p] = (g, grp.layout.slots[i].bucket_index, i)
+        self.streams_to_host = any(s.streams_to_host for s in self.order)
+        self.slot_of: dict[nn.Parameter, int] = {}
+        self._position = {id(slot): pos for pos, slot in enumerate(self.order)}
+        for pos, slot in enumerate(self.order):
+            for p in slot.params:
+                self.slot_of[p] = pos
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.param_position
+            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.slot_of
         ]
         self._reset_micro_step()
 
     # -- per micro-step state ------------------------------------------------------------
     def _reset_micro_step(self) -> None:
-        self.seen = [set() for _ in self.order]
+        self.seen: list[set[int]] = [set() for _ in self.order]
         self.ready = [False] * len(self.order)
         self.next_launch = 0
         self.in_flight: list[_InFlight] = []
 
     def reducing_this_micro_step(self) -> bool:
-        return self.sync_enabled and (self.stage == 2 or self.is_boundary())
+        return self.sync_enabled and (self.policy.every_micro_step or self.is_boundary())
+
+    def is_ready(self, slot: GradSlot) -> bool:
+        """All of ``slot``'s gradients arrived this micro-step (or it was launched)."""
+        return self.ready[self._position[id(slot)]]
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        g, b, i = self.param_position[param]
-        group = self.groups[g]
+        pos = self.slot_of[param]
+        slot = self.order[pos]
         self.dirty = True
-        if group.flat_grad is not None:  # stages 0/1: gradients live in the full buffer
-            view = group.grad_view(i)
-            if group.grads_are_views:
-                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-                    view.add_(param.grad)  # someone replaced .grad (e.g. set_to_none)
-                    param.grad = view
-            elif param.grad is not None:
-                view.add_(param.grad)  # accumulate 16-bit grads in the accumulation dtype
-                param.grad = None
+        slot.on_grad(param)
         if not self.reducing_this_micro_step():
             return
-        pos = self.position[(g, b)]
-        self.seen[pos].add(i)
-        if len(self.seen[pos]) == len(group.buckets[b].param_indices):
+        self.seen[pos].add(id(param))
+        if len(self.seen[pos]) == len(slot.params):
             self.ready[pos] = True
-            if self.overlap:
+            if self.policy.on_ready is not None:
+                self.policy.on_ready(slot)
+            if self.policy.overlap:
                 self._launch_ready()
-                if self.streams_to_host and self.is_boundary():
-                    self._complete_finished()
+        if self.streams_to_host and self.is_boundary():
+            self._complete_finished()
 
     def _launch_ready(self) -> None:
         while self.next_launch < len(self.order) and self.ready[self.next_launch]:
             self._launch(self.next_launch)
-            self.next_launch += 1
 
     @torch.no_grad()
     def _launch(self, pos: int) -> None:
-        g, b = self.order[pos]
-        with comm.set_current_tag(f"zero{self.stage}.reduce_grads group {g} bucket {b}"):
-            self._launch_bucket(g, b)
-
-    def _launch_bucket(self, g: int, b: int) -> None:
-        group = self.groups[g]
-        bucket = group.buckets[b]
-        if group.flat_grad is not None:
-            src = group.bucket_grads(bucket)
-            buf = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
-        else:
-            buf = torch.empty(bucket.numel, dtype=self.reduce_dtype, device=group.device)
-            group.pack_bucket_grads(bucket, buf)
-            group.release_bucket_grads(bucket)
-        if self.pre_factor != 1.0:
-            buf.div_(self.pre_factor)
-        if self.dp_world_size == 1:
-            self.in_flight.append(_InFlight(group, bucket, None, buf, full=True))
-        elif self.stage == 0 or self.scatter_via_all_reduce:
-            work = comm.all_reduce(buf, group=self.dp_group, async_op=True)
-            self.in_flight.append(_InFlight(group, bucket, work, buf, full=True))
-        else:
-            out = torch.empty(bucket.shard_numel, dtype=self.reduce_dtype, device=buf.device)
-            work = comm.reduce_scatter_tensor(out, buf, group=self.dp_group, async_op=True)
-            self.in_flight.append(_InFlight(group, bucket, work, out, full=False))
+        slot = self.order[pos]
+        self.next_launch = pos + 1
+        with comm.set_current_tag(f"{self.policy.tag} {slot.describe()}"):
+            if self.policy.check is not None:
+                self.policy.check(-(pos + 1), f"reduce the gradients of {slot.describe()}")
+            buf = slot.reduce_input(self.policy.reduce_dtype)
+            if self.policy.pre_factor != 1.0:
+                buf.div_(self.policy.pre_factor)
+            self.in_flight.append(_InFlight(slot, self.reduction.launch(buf, slot.owned_range())))
 
     # -- completion ----------------------------------------------------------------------
     @torch.no_grad()
     def _complete_finished(self) -> None:
         """Finish (and stream to the host) the in-flight reductions that are already done."""
-        done, self.in_flight = take_completed(self.in_flight, lambda item: item.work)
+        done, self.in_flight = take_completed(self.in_flight, lambda item: item.launched.work)
         for item in done:
             self._finish(item)
 
     @torch.no_grad()
     def flush(self) -> None:
-        """Launch every remaining bucket, wait, and store the averaged gradients.
+        """Launch every remaining slot, wait, and store the averaged gradients.
 
         Acts once per reduction window: a no-op when no gradient arrived since the last
         completed reduction, or when this micro-step does not reduce (stages 0/1 off the
@@ -182,33 +182,25 @@ class GradReducer:
             return
         while self.next_launch < len(self.order):
             self._launch(self.next_launch)
-            self.next_launch += 1
         for item in self.in_flight:
-            if item.work is not None:
-                item.work.wait()
+            if item.launched.work is not None:
+                item.launched.work.wait()
             self._finish(item)
         self._reset_micro_step()
         self.dirty = False
+        if self.policy.after_flush is not None:
+            self.policy.after_flush()
 
     def _finish(self, item: _InFlight) -> None:
-        group, bucket, out = item.group, item.bucket, item.buffer
-        if item.full and self.stage >= 1:  # keep only this rank's slice of the bucket
-            lo, hi = bucket.shard_range(group.shard_rank)
-            out = out[lo - bucket.start : hi - bucket.start]
+        slot, out = item.slot, item.launched.out
+        shard = slot.owned_range()
+        if item.launched.full and shard is not None:  # keep only this rank's slice
+            out = out[shard[0] : shard[1]]
         if self.post_factor != 1.0:
             out.div_(self.post_factor)
-        if self.stage == 0:
-            dst = group.bucket_grads(bucket)
-            if dst.data_ptr() != out.data_ptr():
-                dst.copy_(out)
-        elif group.flat_grad is not None:  # stage 1: keep our slice in the full buffer
-            dst = group.shard_grad(bucket)
-            if dst.data_ptr() != out.data_ptr():
-                dst.copy_(out)
-        else:  # stage 2: accumulate into the shard across micro-steps
-            group.shard_grad(bucket).add_(out)
-        if self.streams_to_host and self.is_boundary():
-            group.stage_host_grad(bucket)  # the window's final gradient: stream it now
+        slot.store(out)
+        if slot.streams_to_host and self.is_boundary():
+            slot.stage_host_grad()  # the window's final gradient: stream it now
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
@@ -233,15 +225,3 @@ def take_completed(items: list[T], work_of: Callable[[T], Any]) -> tuple[list[T]
         else:
             pending.append(item)
     return done, pending
-
-
-def backend_of(group: object | None) -> str:
-    """Name of the collective backend of ``group`` ("gloo", "nccl", ...), or "" if unknown."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return ""
-    try:
-        return str(dist.get_backend(group)).lower()
-    except (RuntimeError, ValueError):
-        return ""

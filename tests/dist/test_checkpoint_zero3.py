@@ -68,7 +68,7 @@ def _resume_and_export(tmp: str) -> dict:
 
     spec = _spec(2, 3)
     engine = _new_engine(spec, gather16=True)
-    assert engine.persistent_flats and any(u.flats for u in engine.units[1:])
+    assert engine.sharding.persistent_flats and any(u.flats for u in engine.sharding.units[1:])
     straight = train_steps(engine, spec, range(6))
     final = _params(engine)
     assert save_16bit_model(engine, Path(tmp) / "w16", "model.safetensors") is True

@@ -61,10 +61,10 @@ def _batch(step: int) -> torch.Tensor:
 def _train(model: nn.Module, steps: int, config: dict) -> dict[str, torch.Tensor]:
     import shardspeed
     from shardspeed.zero import GatheredParameters, ZeroParamStatus
-    from shardspeed.zero.stage3_engine import Stage3Engine
+    from shardspeed.zero.unit_sharding import UnitSharding
 
     engine, _, _, _ = shardspeed.initialize(model=model, config=config)
-    assert isinstance(engine, Stage3Engine)
+    assert isinstance(engine.sharding, UnitSharding)
     for step in range(steps):
         loss = engine(_batch(step))  # same batch on every rank: the mean gradient is its gradient
         engine.backward(loss)
@@ -241,7 +241,7 @@ def _sequential(train: bool) -> torch.Tensor:
 
     model = _sequential_model()
     engine, _, _, _ = shardspeed.initialize(model=model, config=_config())
-    assert [u.name for u in engine.units] == ["<root>", "0", "2"]  # root has no params
+    assert [u.name for u in engine.sharding.units] == ["<root>", "0", "2"]  # root has no params
     for step in range(2):
         loss = engine(_batch(step)).pow(2).mean()
         engine.backward(loss)

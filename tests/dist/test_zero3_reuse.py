@@ -25,7 +25,7 @@ def _count_gathers(zero: dict, steps: int = 3) -> tuple[list[dict[str, int]], di
 
     model = _fresh()
     engine, _, _, _ = shardspeed.initialize(model=model, config=_config(**zero))
-    names = {id(f): u.name for u in engine.units for f in u.flats}
+    names = {id(f): u.name for u in engine.sharding.units for f in u.flats}
     per_step: list[dict[str, int]] = []
     original = ShardedFlat.start_gather
 

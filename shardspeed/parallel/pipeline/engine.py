@@ -6,10 +6,11 @@ LR schedule are the sharding engine's own code. What it adds:
 
 * ``train_batch`` runs the schedule's instructions (:mod:`.schedule`) through an
   :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps`` micro-batches,
-  gradient reduction switched off (``reducer.sync_enabled = False``) until the end;
+  gradient reduction switched off (``set_gradient_reduction(False)``) until the end;
 * at the end of the batch: ``ReduceTiedGrads`` (sum tied weights over their tie
   group), ``ReduceGrads`` (one data-parallel reduction for the whole batch), and
-  ``OptimizerStep`` (the sharded optimizer, whose grad norm also spans the pipe group);
+  ``OptimizerStep`` (the engine's step; its gradient norm was built to span the pipe
+  group and to count tied copies once);
 * the batch loss is averaged on the last stage and broadcast to every stage.
 """
 
@@ -26,7 +27,6 @@ from shardspeed.config import ShardSpeedConfig, load_config
 from shardspeed.parallel.pipeline.executor import ScheduleExecutor
 from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads, ReduceTiedGrads
 from shardspeed.parallel.pipeline.module import PipelineModule
-from shardspeed.parallel.pipeline.optimizer import PipelineShardedOptimizer
 from shardspeed.parallel.pipeline.p2p import StageLink
 from shardspeed.parallel.pipeline.schedule import build_schedule, check_schedule_args
 from shardspeed.parallel.pipeline.tied import TiedWeights
@@ -97,6 +97,9 @@ class PipelineEngine(ShardSpeedEngine):
             model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
             dp_group=topology.group("data"),
+            # the global norm spans every stage; tied copies on later stages count once
+            norm_groups=[topology.group("pipe")] if topology.pp > 1 else [],
+            replicated_params=model.replicated_parameters(),
         )
         self.topology = topology
         self.ties = ties
@@ -106,9 +109,7 @@ class PipelineEngine(ShardSpeedEngine):
         self.micro_batches = config.gradient_accumulation_steps
         self.schedule_kind = model.schedule
         self.virtual_stages = model.virtual_stages
-        if self.optimizer is not None:
-            self.optimizer = self._pipeline_optimizer()
-        self.reducer.sync_enabled = False  # reduce once per batch, in ReduceGrads
+        self.set_gradient_reduction(False)  # reduce once per batch, in ReduceGrads
         self.link = StageLink(
             [topology.stage_rank(s) for s in range(self.num_stages)],
             self.device,
@@ -128,22 +129,6 @@ class PipelineEngine(ShardSpeedEngine):
             f"PipelineEngine: {self.num_stages} stages x dp {self.dp_world_size}, schedule "
             f"{self.schedule_kind} (virtual stages {self.virtual_stages}), "
             f"{self.micro_batches} micro-batches per batch"
-        )
-
-    def _pipeline_optimizer(self) -> PipelineShardedOptimizer:
-        """The sharded optimizer again, with the norm spanning the pipe group."""
-        return PipelineShardedOptimizer(
-            self.basic_optimizer,
-            self.flat_groups,
-            self.reducer,
-            stage=self.stage,
-            dp_group=self.dp_group,
-            dp_world_size=self.dp_world_size,
-            loss_scaler=self.loss_scaler,
-            gradient_clipping=self._config.gradient_clipping,
-            check_overflow=self._checks_overflow(),
-            norm_groups=[self.pipe_group] if self.num_stages > 1 else [],
-            replicated=self.module.replicated_parameters(),
         )
 
     # -- DeepSpeed's pipeline surface ----------------------------------------------------
@@ -193,7 +178,7 @@ class PipelineEngine(ShardSpeedEngine):
                 },
             )
         finally:  # micro-batches of the next batch accumulate without reducing again
-            self.reducer.sync_enabled = False
+            self.set_gradient_reduction(False)
             self._boundary_override = None
         assert self.agg_train_loss is not None
         return self.agg_train_loss
@@ -254,9 +239,7 @@ class PipelineEngine(ShardSpeedEngine):
         self.ties.reduce_grads(self.flat_groups)
 
     def _reduce_grads(self) -> None:
-        self.reducer.sync_enabled = True
-        self._boundary_override = True
-        self.reducer.flush()
+        self.allreduce_gradients()
 
     def _optimizer_step(self) -> None:
         self.agg_train_loss = self._aggregate_loss(self.executor.result.losses, broadcast=True)

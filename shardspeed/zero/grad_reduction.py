@@ -1,0 +1,93 @@
+"""The gradient-communication seam: how one bucket of gradients is reduced over ranks.
+
+The reducer (:mod:`shardspeed.zero.reducer`) decides *when* a bucket is reduced and
+*where* the result goes; a :class:`GradReduction` decides *how* the collective runs. It
+plays the part of DDP's ``register_comm_hook`` / FSDP2's reduce hooks: the engine builds
+the default one from the topology, and an optimizer that communicates by itself (1-bit
+Adam compresses its momentum instead) declares ``reduces_gradients = True`` and gets
+:class:`LocalGradients`, which leaves every rank's gradients unreduced.
+
+Contract of :meth:`GradReduction.launch`: ``buf`` is the whole padded bucket, ``(numel,)``
+in the reduce dtype, already pre-divided; ``shard`` is this rank's ``(lo, hi)`` slice of
+it, or None when every rank keeps the whole bucket (stage 0). It returns a
+:class:`Launched` whose ``out`` holds the *sum* over ranks once ``work`` completes: the
+whole bucket (``full=True``) or only this rank's slice. The reducer then divides by the
+post-factor and stores it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from shardspeed import comm
+
+
+@dataclass
+class Launched:
+    """A launched bucket reduction: ``out`` is valid once ``work`` (None: done) completes."""
+
+    out: torch.Tensor
+    work: Any | None
+    full: bool  # out is the whole bucket (keep the slice afterwards), not only this rank's
+
+
+class GradReduction(Protocol):
+    """Strategy that sums one gradient bucket over the data-parallel ranks."""
+
+    world_size: int
+
+    def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched: ...
+
+
+class BucketedReduction:
+    """The default: all-reduce (every rank keeps the bucket) or reduce-scatter (a slice).
+
+    On gloo a reduce-scatter measured about twice an all-reduce of the same buffer
+    (19 ms vs 10 ms for 3.3M fp32 on 2 ranks; 1.3-2x for ZeRO-3 flats), the opposite of
+    NCCL, and the reducer holds the full bucket anyway, so on gloo the "scatter" is an
+    in-place all-reduce from which the rank keeps its slice: same memory, half the time.
+    """
+
+    def __init__(self, group: Any, world_size: int) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.scatter_via_all_reduce = backend_of(group) == "gloo"
+
+    def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
+        if self.world_size == 1:
+            return Launched(buf, None, full=True)
+        if shard is None or self.scatter_via_all_reduce:
+            work = comm.all_reduce(buf, group=self.group, async_op=True)
+            return Launched(buf, work, full=True)
+        lo, hi = shard
+        out = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
+        work = comm.reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        return Launched(out, work, full=False)
+
+
+class LocalGradients:
+    """No collective: each rank keeps its own gradients (the optimizer reduces them).
+
+    ``world_size`` is 1 so the reducer's post-division is a no-op: the gradients stay
+    this rank's own micro-batch average.
+    """
+
+    world_size = 1
+
+    def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
+        return Launched(buf, None, full=True)
+
+
+def backend_of(group: object | None) -> str:
+    """Name of the collective backend of ``group`` ("gloo", "nccl", ...), or "" if unknown."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return ""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return ""

@@ -1,0 +1,134 @@
+"""Sharding policies: how the engine lays out parameters, gradients and masters per stage.
+
+The engine is one class; the ZeRO stage picks one of two layouts of the same mechanism
+(padded flat buffers laid out by :mod:`shardspeed.zero.partition`, this rank owning one
+slice of each):
+
+* :class:`FlatSharding` (stages 0-2): each optimizer param group is one
+  :class:`~shardspeed.zero.flat_buffer.FlatGroup` of several buckets; parameters stay
+  gathered (``reshard_after_forward`` never happens), so after a step the updated slices
+  are all-gathered back into the parameters;
+* :class:`~shardspeed.zero.unit_sharding.UnitSharding` (stage 3): each (module unit,
+  param group) is one single-bucket flat that is gathered around the unit's forward and
+  backward and released after (FSDP2's ``reshard_after_forward=True``).
+
+Both expose the same small surface to the engine: ``groups`` (what the optimizer steps),
+``grad_slots()`` (what the reducer reduces, in launch order), ``reduction_policy()``,
+``publish()`` (masters have been written into the parameter shards: make the parameters
+usable), ``full_state_dict()``/``load_full_state_dict()``, ``remove()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed import comm
+from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.offload import OffloadRuntime
+from shardspeed.zero.reducer import GradSlot, ReductionPolicy
+
+
+@dataclass(frozen=True)
+class ShardingContext:
+    """Everything a sharding policy needs to know about the job, resolved by the engine."""
+
+    stage: int
+    dp_group: Any
+    dp_world_size: int
+    dp_rank: int
+    device: torch.device
+    param_dtype: torch.dtype
+    grad_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    master_dtype: torch.dtype
+    offload: OffloadRuntime
+    zero: Any  # the typed zero_optimization config block
+    overlap: bool
+    pre_factor: float
+
+
+class FlatSharding:
+    """Stages 0-2: one multi-bucket :class:`FlatGroup` per param group, params kept whole."""
+
+    def __init__(self, ctx: ShardingContext, groups: list[dict[str, Any]]) -> None:
+        self.ctx = ctx
+        sharded = ctx.stage >= 1
+        self.groups = [
+            FlatGroup(
+                g["params"],
+                shard_world_size=ctx.dp_world_size if sharded else 1,
+                shard_rank=ctx.dp_rank if sharded else 0,
+                bucket_size=int(ctx.zero.reduce_bucket_size),
+                param_dtype=ctx.param_dtype,
+                grad_dtype=ctx.grad_dtype,
+                master_dtype=ctx.master_dtype,
+                full_grads=ctx.stage <= 1,
+                device=ctx.device,
+                offload=ctx.offload,
+            )
+            for g in groups
+        ]
+
+    def describe(self) -> str:
+        return f"{sum(len(g.buckets) for g in self.groups)} buckets"
+
+    def grad_slots(self) -> list[GradSlot]:
+        """Every bucket, the one holding the latest-registered parameters first (gradients
+        arrive roughly in reverse registration order)."""
+        slots = [s for i, g in enumerate(self.groups) for s in g.grad_slots(i)]
+        last = {id(s): max(s.bucket.param_indices, default=-1) for s in slots}
+        return sorted(slots, key=lambda s: -last[id(s)])
+
+    def reduction_policy(self) -> ReductionPolicy:
+        ctx = self.ctx
+        return ReductionPolicy(
+            every_micro_step=ctx.stage == 2,
+            reduce_dtype=ctx.reduce_dtype,
+            overlap=ctx.overlap,
+            pre_factor=ctx.pre_factor,
+            tag=f"zero{ctx.stage}.reduce_grads",
+        )
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """All-gather every bucket's updated slices into the full parameters (stages 1/2)."""
+        works = []
+        for group in self.groups:
+            if group.layout.shard_world_size == 1:
+                continue
+            for bucket in group.buckets:
+                shard = group.param_shard(bucket).clone()
+                works.append(
+                    comm.all_gather_into_tensor(
+                        group.bucket_params(bucket), shard, group=self.ctx.dp_group, async_op=True
+                    )
+                )
+        for work in works:
+            work.wait()
+
+    def full_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return module.state_dict(*args, **kwargs)
+
+    def load_full_state_dict(self, module: nn.Module, state_dict: Any, strict: bool) -> Any:
+        return module.load_state_dict(state_dict, strict=strict)
+
+    def remove(self) -> None:
+        """Nothing installed on the model besides the reducer's hooks."""
+
+
+def build_sharding(
+    ctx: ShardingContext, groups: list[dict[str, Any]], model: nn.Module
+) -> FlatSharding | Any:
+    """The layout for ``ctx.stage``: :class:`FlatSharding` (0-2) or ``UnitSharding`` (3)."""
+    if ctx.stage == 3:
+        from shardspeed.zero.unit_sharding import UnitSharding
+
+        return UnitSharding(ctx, groups, model)
+    from shardspeed.zero.init_partition import materialize_init_params
+
+    materialize_init_params(model, f"zero.Init model trained at ZeRO stage {ctx.stage}")
+    return FlatSharding(ctx, groups)

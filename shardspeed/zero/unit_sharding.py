@@ -1,0 +1,275 @@
+"""Stage 3 as a sharding policy: parameters sharded per module unit, gathered around use.
+
+The model is split into *units* (each element of an ``nn.ModuleList``/``nn.Sequential``,
+plus a root unit for the rest and for parameters shared between units). Each (unit,
+param group) becomes one :class:`~shardspeed.zero.params.ShardedFlat`: a single padded
+bucket of which this rank keeps slice ``dp_rank``. The
+:class:`~shardspeed.zero.params.FetchCoordinator` gathers a unit before its forward and
+backward (prefetching the next unit of the recorded order) and releases it after; the
+reducer releases a unit once all its gradients are reduced. Parameters below
+``stage3_param_persistence_threshold`` stay gathered in a *persistent* flat.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.zero.fragments import MasterFragment
+from shardspeed.zero.init_partition import full_numel, materialize_init_params
+from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
+from shardspeed.zero.partition import param_shard_fragments
+from shardspeed.zero.reducer import GradSlot, ReductionPolicy
+from shardspeed.zero.sharding import ShardingContext
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+PERSISTENT_CODE = 1_000_000  # order-check codes of persistent-flat gathers: -(CODE + i)
+
+
+def split_units(model: nn.Module) -> list[Unit]:
+    """Root unit first, then every parameter-owning child of a ModuleList/Sequential."""
+    units = [Unit(0, "", model, is_root=True)]
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(module, _CONTAINERS) and any(True for _ in child.parameters()):
+                units.append(Unit(len(units), full, child, is_root=False))
+            else:
+                visit(full, child)
+
+    visit("", model)
+    return units
+
+
+def assign_params(model: nn.Module, units: list[Unit]) -> dict[int, int]:
+    """id(param) -> unit index; parameters used by modules of several units go to the root."""
+    module_unit = {id(u.module): u.id for u in units}
+    owners: dict[int, set[int]] = {}
+
+    def visit(module: nn.Module, unit_id: int) -> None:
+        unit_id = module_unit.get(id(module), unit_id)
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(unit_id)
+        for p in getattr(module, "_ss_external_params", {}).values():
+            owners.setdefault(id(p), set()).add(0)
+        for child in module.children():
+            visit(child, unit_id)
+
+    visit(model, 0)
+    return {pid: (next(iter(us)) if len(us) == 1 else 0) for pid, us in owners.items()}
+
+
+class UnitGroup:
+    """One optimizer param group at stage 3: one single-bucket flat per unit (+ persistent).
+
+    Offers the optimizer the same surface as a :class:`FlatGroup`, a flat being a bucket.
+    """
+
+    def __init__(self, flats: list[ShardedFlat]) -> None:
+        self.flats = flats
+
+    @property
+    def buckets(self) -> list[ShardedFlat]:
+        return self.flats
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for f in self.flats for p in f.params]
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        return [f.master for f in self.flats]
+
+    @property
+    def device(self) -> torch.device:
+        return self.flats[0].device
+
+    @property
+    def offload(self) -> Any:
+        """The engine's OffloadRuntime (the optimizer asks it for the NVMe swapper)."""
+        return self.flats[0].offload if self.flats else None
+
+    def master_fragments(
+        self, names: dict[int, str], dp_rank: int, replicated: set[int]
+    ) -> Iterator[MasterFragment]:
+        """This rank's fragment of every parameter of every flat, in the flat's master."""
+        for flat in self.flats:
+            writes = flat.layout.shard_world_size > 1 or dp_rank == 0
+            base = flat.layout.shard_offset(0)
+            for p_idx, p_start, length, shard_off in param_shard_fragments(flat.layout, flat.rank):
+                param = flat.params[p_idx]
+                yield MasterFragment(
+                    name=names[id(param)],
+                    shape=list(param.ds_shape),
+                    start=p_start,
+                    length=length,
+                    master=flat.master,
+                    local=shard_off - base,
+                    writes=writes and id(param) not in replicated,
+                )
+
+    def master_slices(self, param_ids: set[int]) -> list[tuple[int, int, int]]:
+        """``(master index, lo, hi)`` of the given parameters in this rank's masters."""
+        out = []
+        for index, flat in enumerate(self.flats):
+            lo, hi = flat.bucket.shard_range(flat.rank)
+            for slot, param in zip(flat.layout.slots, flat.params):
+                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if id(param) in param_ids and start < end:
+                    out.append((index, start - lo, end - lo))
+        return out
+
+    def optimizer_grad(self, flat: ShardedFlat) -> torch.Tensor:
+        return flat.optimizer_grad()
+
+    def zero_grads(self) -> None:
+        for f in self.flats:
+            f.zero_grad_shard()
+
+    def copy_masters_to_params(self) -> None:
+        for f in self.flats:
+            f.copy_master_to_shard()
+
+    def copy_master_to_params(self, index: int) -> None:
+        self.flats[index].copy_master_to_shard()
+
+    def storage_bytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.flats:
+            for key, value in f.storage_bytes().items():
+                out[key] = out.get(key, 0) + value
+        return out
+
+
+class UnitSharding:
+    """Stage 3: per-unit sharded flats, gathered around use and released after."""
+
+    def __init__(self, ctx: ShardingContext, groups: list[dict[str, Any]], model: nn.Module):
+        self.ctx = ctx
+        zc = ctx.zero
+        self.units = split_units(model)
+        self.persistent_flats: list[ShardedFlat] = []
+        self.groups = self._build_groups(groups, model)
+        check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
+        self.order_check = OrderCheck(ctx.dp_group, ctx.dp_world_size, ctx.device, check_on)
+        self.coordinator = FetchCoordinator(
+            self.units,
+            self.order_check,
+            int(zc.stage3_prefetch_bucket_size),
+            max_live_numel=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance),
+        )
+        self.coordinator.install()
+        self.reducer: Any = None  # set by the engine; on_ready asks it which flats are done
+
+    def _build_groups(self, groups: list[dict[str, Any]], model: nn.Module) -> list[UnitGroup]:
+        ctx, zc = self.ctx, self.ctx.zero
+        owner = assign_params(model, self.units)
+        threshold = int(zc.stage3_param_persistence_threshold)
+        budget = int(zc.stage3_model_persistence_threshold)
+        common = {
+            "dp_group": ctx.dp_group,
+            "world": ctx.dp_world_size,
+            "rank": ctx.dp_rank,
+            "param_dtype": ctx.param_dtype,
+            "grad_dtype": ctx.grad_dtype,
+            "master_dtype": ctx.master_dtype,
+            "device": ctx.device,
+            "offload": ctx.offload,
+        }
+        next_id = 0
+        out = []
+        for g in groups:
+            per_unit: list[list[nn.Parameter]] = [[] for _ in self.units]
+            keep: list[nn.Parameter] = []
+            for param in g["params"]:
+                numel = full_numel(param)  # ds_numel of a zero.Init-partitioned param
+                if numel < threshold and numel <= budget:
+                    budget -= numel
+                    keep.append(param)
+                else:
+                    per_unit[owner.get(id(param), 0)].append(param)
+            flats = []
+            for unit, params in zip(self.units, per_unit):
+                if params:
+                    flat = ShardedFlat(
+                        params, unit_id=unit.id, first_param_id=next_id, persistent=False, **common
+                    )
+                    flat.label = f"unit {unit.name}"
+                    unit.flats.append(flat)
+                    flats.append(flat)
+                    next_id += len(params)
+            if keep:
+                flat = ShardedFlat(
+                    keep, unit_id=-1, first_param_id=next_id, persistent=True, **common
+                )
+                self.persistent_flats.append(flat)
+                flats.append(flat)
+                next_id += len(keep)
+            out.append(UnitGroup(flats))
+        # the flats adopted the trainable zero.Init pieces; frozen params stay whole (replicated)
+        materialize_init_params(model, "ZeRO-3 keeps frozen parameters whole on every rank")
+        return out
+
+    def describe(self) -> str:
+        return f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats"
+
+    # -- reduction ------------------------------------------------------------------------
+    def grad_slots(self) -> list[GradSlot]:
+        """Deepest unit first (backward order), the root, then the persistent flats."""
+        return [f for u in reversed(self.units) for f in u.flats] + self.persistent_flats
+
+    def reduction_policy(self) -> ReductionPolicy:
+        ctx = self.ctx
+        return ReductionPolicy(
+            every_micro_step=True,
+            reduce_dtype=ctx.reduce_dtype,
+            overlap=ctx.overlap,
+            pre_factor=ctx.pre_factor,
+            check=self.order_check,
+            on_ready=self._on_flat_ready,
+            after_flush=self.coordinator.release_all,
+            tag="zero3.reduce_grads",
+        )
+
+    def _on_flat_ready(self, flat: GradSlot) -> None:
+        unit_id = getattr(flat, "unit_id", -1)
+        if unit_id > 0:
+            unit = self.units[unit_id]
+            if all(self.reducer.is_ready(f) for f in unit.flats):
+                self.coordinator.release(unit)  # its backward is over
+
+    # -- after a step / a checkpoint load ----------------------------------------------------
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Masters are in the shards: drop stale gathered copies, re-gather persistent flats."""
+        self.coordinator.release_all()  # gathered again on next use
+        for i, flat in enumerate(self.persistent_flats):
+            flat.release()
+            self.order_check(-(PERSISTENT_CODE + i), f"gather persistent flat {i}")
+            flat.gather()
+
+    # -- whole-model views --------------------------------------------------------------------
+    def full_state_dict(self, module: nn.Module, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The full (gathered) module state dict, on every rank (a collective call)."""
+        from shardspeed.zero.init import GatheredParameters
+
+        with GatheredParameters(list(module.parameters())):
+            state = module.state_dict(*args, **kwargs)
+            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def load_full_state_dict(self, module: nn.Module, state_dict: Any, strict: bool) -> Any:
+        """Load a full state dict (every rank passes the same one); updates shards and masters."""
+        from shardspeed.zero.init import GatheredParameters
+
+        with GatheredParameters(list(module.parameters()), modifier_rank=0):
+            return module.load_state_dict(state_dict, strict=strict)
+
+    def remove(self) -> None:
+        """Remove the gather/release hooks."""
+        self.coordinator.remove()
