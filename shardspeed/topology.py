@@ -1,4 +1,4 @@
-"""Topology: the parallel layout of the job and every process group it needs.
+"""Topology: the parallel layout of the job, as one device mesh that owns every group.
 
 Ranks are laid out on DeepSpeed's grid, axes ``(pipe, data, sequence, tensor)`` with pipe
 outermost and tensor innermost, so tensor-parallel peers are adjacent ranks (one node)::
@@ -6,40 +6,63 @@ outermost and tensor innermost, so tensor-parallel peers are adjacent ranks (one
     rank = ((pipe * dp + data) * sp + sequence) * tp + tensor
 
 Experts are sharded over a sub-axis of data parallelism: ``data = expert_data * ep + expert``
-(so an expert-parallel group is ``ep`` consecutive data indices). Group axes:
+(so an expert-parallel group is ``ep`` consecutive data indices, as DeepSpeed's MoE groups).
+The grid is a 5-D :class:`~torch.distributed.device_mesh.DeviceMesh` whose rank tensor is
+``arange(world_size)`` reshaped, fine axes outermost first::
 
-=================  =========================================  ==========================
-axis               ranks varying along it                     used for
-=================  =========================================  ==========================
-``pipe``           pipeline stage                             stage-to-stage p2p
-``data``           data index (``expert_data x expert``)       gradient all-reduce / ZeRO
-``sequence``       sequence shard                             Ulysses all-to-all
-``tensor``         tensor shard                               TP all-reduce (DeepSpeed mpu
-                                                              "model parallel" group)
-``expert``         expert index within a data block            MoE token all-to-all
-``expert_data``    data blocks holding the same experts        expert-gradient all-reduce
-``model``          pipe x tensor                               ranks jointly holding one
-                                                              distinct copy of the
-                                                              parameters (global grad norm)
-``data_sequence``  data x sequence                             what ZeRO shards over when
-                                                              sp > 1 (params replicated)
-``world``          everything                                 -
-=================  =========================================  ==========================
+    mesh = DeviceMesh(device_type, arange(world_size).reshape(pp, dp // ep, ep, sp, tp),
+                      mesh_dim_names=("pipe", "expert_data", "expert", "sequence", "tensor"))
+
+    e.g. world 8, pp=2 dp=2 tp=2:   pipe 0: [[0, 1],    pipe 1: [[4, 5],     <- rows: data
+                                              [2, 3]]             [6, 7]]     columns: tensor
+
+Group axes (``fine`` = mesh dims; composite axes are flattened sub-meshes):
+
+=================  =========================  =========================  ===================
+axis               mesh dims                  ranks varying along it     used for
+=================  =========================  =========================  ===================
+``pipe``           pipe                       pipeline stage             stage-to-stage p2p
+``data``           expert_data x expert       data index                 gradient all-reduce
+                                                                         / ZeRO
+``sequence``       sequence                   sequence shard             Ulysses all-to-all
+``tensor``         tensor                     tensor shard               TP all-reduce
+                                                                         (mpu "model
+                                                                         parallel" group)
+``expert``         expert                     expert index within a      MoE token
+                                              data block                 all-to-all
+``expert_data``    expert_data                data blocks holding the    expert-gradient
+                                              same experts               all-reduce
+``model``          pipe x tensor              ranks jointly holding one  global grad norm
+                                              distinct parameter copy
+``data_sequence``  expert_data x expert x     data x sequence            what ZeRO shards
+                   sequence                                              over when sp > 1
+``world``          all five                   everything                 -
+=================  =========================  =========================  ===================
 
 The mapping methods are pure (no process groups needed). :meth:`Topology.create_groups`
-(or :meth:`Topology.build`) makes every group with :func:`shardspeed.comm.new_group`, in
-the same order on every rank as torch requires; an axis spanning the world reuses the
-world group and an axis of size 1 gets a singleton group (never ``None``, which torch
-would read as "the world").
+(or :meth:`Topology.build`, :meth:`Topology.from_mpu`) builds the mesh (device type
+``cuda`` on NCCL, ``cpu`` on gloo) in the same order on every rank, as torch requires:
+single-axis groups are ``mesh.get_group(axis)``, composite axes come from
+``DeviceMesh._flatten`` (or :func:`shardspeed.comm.new_group` where a torch lacks it), an
+axis spanning the world is the world group and an axis of size 1 is a singleton group
+(never ``None``, which torch would read as "the world"). ``topology.mesh`` and
+``topology.submesh(axis)`` hand the mesh to DTensor code.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
 
 from shardspeed.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 logger = get_logger(__name__)
 
@@ -76,6 +99,49 @@ def _check_degree(name: str, value: Any) -> int:
             "disable that kind of parallelism)."
         )
     return value
+
+
+def _device_mesh_class() -> tuple[type, bool]:
+    """``DeviceMesh`` and whether it can flatten dims; a clear error where torch lacks it."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError as exc:
+        raise RuntimeError(
+            f"Topology needs torch.distributed.device_mesh.DeviceMesh, which this torch "
+            f"({torch.__version__}) lacks ({exc}); install torch >= 2.4 built with "
+            "distributed support."
+        ) from exc
+    if not isinstance(DeviceMesh, type) or not hasattr(DeviceMesh, "get_group"):
+        raise RuntimeError(
+            f"Topology needs torch.distributed.device_mesh.DeviceMesh, but this torch "
+            f"({torch.__version__}) has only a stub (torch.distributed is unavailable)."
+        )
+    return DeviceMesh, hasattr(DeviceMesh, "_flatten")
+
+
+def _default_backend() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend())
+
+
+def _device_type(backend: str) -> str:
+    """The mesh's device type: ``cuda`` when the world talks NCCL, else ``cpu`` (gloo)."""
+    return "cuda" if "nccl" in backend else "cpu"
+
+
+def _group_options(backend: str, timeout: timedelta) -> Any:
+    """Backend options carrying ``timeout`` (the one :func:`comm.new_group` would use)."""
+    import torch.distributed as dist
+
+    if backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo" and hasattr(dist, "ProcessGroupGloo"):
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        return None  # mixed or third-party backend: torch's default timeout
+    options._timeout = timeout
+    return options
 
 
 class Topology:
@@ -136,6 +202,8 @@ class Topology:
         }
         self._rank = rank
         self._groups: dict[str, Any] | None = None
+        self._mesh: Any = None
+        self._axis_meshes: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- degrees
     world_size = property(lambda self: self._world_size, doc="Number of ranks.")
@@ -278,8 +346,40 @@ class Topology:
         topo.create_groups()
         return topo
 
-    def create_groups(self) -> None:
-        """Create every group on every axis (collective: call on all ranks, same order)."""
+    @classmethod
+    def from_config_degrees(
+        cls, world_size: int, *, pp: int = 1, tp: int = 1, sp: int = 1, ep: int = 1
+    ) -> Topology:
+        """The layout for ``world_size`` ranks with these degrees; dp is what is left.
+
+        Pure (no groups): the config's pipeline stages, ``tensor_parallel.autotp_size``,
+        ``sequence_parallel_size`` and MoE ``ep_size`` map to ``pp``, ``tp``, ``sp``, ``ep``.
+        """
+        return cls(world_size, pp=pp, tp=tp, sp=sp, ep=ep)
+
+    @classmethod
+    def from_mpu(cls, mpu: Any, world_size: int | None = None, *, ep: int = 1) -> Topology:
+        """The layout a Megatron/DeepSpeed-style ``mpu`` reports, with its groups created.
+
+        Reads the degrees from the mpu (a missing method counts as 1; dp defaults to the
+        size of ``mpu.get_data_parallel_group()``), checks they multiply to ``world_size``
+        (default: the initialised world), then builds the mesh. The mpu's own data (and
+        tensor, if it has one) groups are used for those axes, so options it created them
+        with (e.g. a timeout) hold; if their members differ from DeepSpeed's grid that is
+        logged. Collective: call on every rank. See :mod:`shardspeed.topology_mpu`.
+        """
+        from shardspeed.topology_mpu import topology_from_mpu
+
+        return topology_from_mpu(cls, mpu, world_size, ep=ep)
+
+    def create_groups(self, *, adopt: Mapping[str, Any] | None = None) -> None:
+        """Build the device mesh and every axis group (collective: all ranks, same order).
+
+        ``adopt`` maps an axis (``data``, ``tensor``, ...) to an existing process group
+        to hand out for it, and for every other axis with the same mesh dims of size > 1
+        (``data_sequence`` when sp == 1, ``expert_data`` when ep == 1; never ``world``),
+        instead of the mesh's. The mesh is still built in full.
+        """
         from shardspeed import comm
 
         if comm.get_world_size() != self._world_size:
@@ -287,31 +387,101 @@ class Topology:
                 f"{self!r} needs {self._world_size} ranks but torch.distributed has "
                 f"{comm.get_world_size()}; build the Topology from the launched world size."
             )
+        adopt = dict(adopt or {})
+        for axis in adopt:
+            self._axis_dims(axis)
         self._rank = comm.get_rank()
-        made: dict[tuple[int, ...], Any] = {}
-        mine: dict[str, Any] = {}
+        mesh_cls, can_flatten = _device_mesh_class()
+        backend = _default_backend()
+        options = _group_options(backend, comm.get_timeout())
+        shape = tuple(self._dims[a] for a in _FINE_AXES)  # (pp, dp // ep, ep, sp, tp)
+        # A dim spanning the world gets no options so the mesh reuses the world group.
+        overrides = tuple((None, None if n == self._world_size else options) for n in shape)
+        mesh = mesh_cls(
+            _device_type(backend),
+            torch.arange(self._world_size).reshape(shape),  # the DeepSpeed grid
+            mesh_dim_names=_FINE_AXES,
+            backend_override=overrides,
+        )
+        groups: dict[str, Any] = {}
+        axis_meshes: dict[str, Any] = {}
         for axis in GROUP_AXES:
-            for ranks in self.all_axis_groups(axis):
-                key = tuple(ranks)
-                if key not in made:
-                    if len(ranks) == self._world_size:
-                        made[key] = comm.get_world_group()
-                    else:
-                        made[key] = comm.new_group(ranks)
-                if self._rank in ranks:
-                    mine[axis] = made[key]
-        self._groups = mine
-        logger.debug("created process groups for %r (%d distinct)", self, len(made))
+            sub = self._axis_submesh(mesh, axis, options, can_flatten)
+            if sub is not None:
+                axis_meshes[axis] = sub
+            if self.size(axis) == self._world_size:
+                groups[axis] = comm.get_world_group()
+            elif sub is not None:
+                groups[axis] = sub.get_group()
+            else:  # composite axis on a torch without DeviceMesh._flatten
+                groups[axis] = self._new_axis_group(axis)
+        for adopted_axis, group in adopt.items():  # and every axis with the same members
+            for axis in GROUP_AXES:
+                if axis != "world" and self._varying(axis) == self._varying(adopted_axis):
+                    groups[axis] = group
+        self._mesh, self._axis_meshes, self._groups = mesh, axis_meshes, groups
+        logger.debug("built %r on %s (adopted axes: %s)", mesh, self, sorted(adopt) or "none")
+
+    def _varying(self, axis: str) -> tuple[str, ...]:
+        """The mesh dims of size > 1 along ``axis`` (its innermost dim if none)."""
+        dims = GROUP_AXES[axis]
+        return tuple(a for a in dims if self._dims[a] > 1) or dims[-1:]
+
+    def _axis_submesh(self, mesh: Any, axis: str, options: Any, can_flatten: bool) -> Any:
+        """The 1-D mesh along ``axis``: a mesh dim, or its dims of size > 1 flattened."""
+        varying = self._varying(axis)
+        if len(varying) == 1:  # the others have size 1: same members as this dim
+            return mesh[varying[0]]
+        if not can_flatten:
+            return None
+        spans_world = self.size(axis) == self._world_size
+        return mesh[varying]._flatten(axis, backend_override=None if spans_world else options)
+
+    def _new_axis_group(self, axis: str) -> Any:
+        from shardspeed import comm
+
+        mine = None
+        for ranks in self.all_axis_groups(axis):  # same order on every rank
+            group = comm.new_group(ranks)
+            if self._rank in ranks:
+                mine = group
+        return mine
 
     def group(self, axis: str) -> Any:
         """This rank's process group along ``axis`` (after :meth:`create_groups`)."""
         self._axis_dims(axis)
+        return self._require_groups()[axis]
+
+    def _require_groups(self) -> dict[str, Any]:
         if self._groups is None:
             raise RuntimeError(
                 f"{self!r} has no process groups yet; call topology.create_groups() on every "
                 "rank (or construct it with Topology.build(...))."
             )
-        return self._groups[axis]
+        return self._groups
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The 5-D device mesh (pipe, expert_data, expert, sequence, tensor)."""
+        self._require_groups()
+        return self._mesh
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        """This rank's 1-D device mesh along ``axis`` (for DTensor placements).
+
+        Fine axes are mesh dims; a composite axis (``data``, ``model``, ...) is its
+        flattened mesh. An adopted group (see :meth:`from_mpu`) is not in the mesh: its
+        sub-mesh follows the DeepSpeed grid.
+        """
+        self._axis_dims(axis)
+        self._require_groups()
+        if axis not in self._axis_meshes:
+            raise RuntimeError(
+                f"submesh({axis!r}): this torch {torch.__version__} has no "
+                "DeviceMesh._flatten, so composite axes have plain process groups only; use "
+                f"topology.group({axis!r}) or a fine axis {list(_FINE_AXES)}."
+            )
+        return self._axis_meshes[axis]
 
     def describe(self) -> str:
         """A table of every rank's coordinates (for logs and docs)."""

@@ -13,6 +13,7 @@ from shardspeed.config.activation_checkpointing import ActivationCheckpointingCo
 from shardspeed.config.base import ConfigError, ConfigIssue, ConfigModel
 from shardspeed.config.batch import resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig, ParallelWriteConfig
+from shardspeed.config.key_status import KEY_STATUS, KeyRule, KeyStatus, check_key_status
 from shardspeed.config.legacy import UNMODELLED_KEYS
 from shardspeed.config.loader import load_config, parse_json_text
 from shardspeed.config.monitoring import (
@@ -49,6 +50,7 @@ from shardspeed.config.zero import OffloadOptimizerConfig, OffloadParamConfig, Z
 
 __all__ = [
     "DEEPSPEED_OPTIMIZERS",
+    "KEY_STATUS",
     "UNMODELLED_KEYS",
     "VALID_SCHEDULERS",
     "ActivationCheckpointingConfig",
@@ -66,6 +68,8 @@ __all__ = [
     "FlopsProfilerConfig",
     "HybridEngineConfig",
     "JSONLMonitorConfig",
+    "KeyRule",
+    "KeyStatus",
     "MonitorConfig",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
@@ -83,6 +87,7 @@ __all__ = [
     "TorchAutocastConfig",
     "WandbConfig",
     "ZeroConfig",
+    "check_key_status",
     "dtype_from_name",
     "load_config",
     "parse_json_text",

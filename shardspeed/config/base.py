@@ -285,14 +285,14 @@ class ConfigModel(BaseModel):
 # ----------------------------------------------------------------------------------------------
 
 
-def _model_in(annotation: Any) -> type[ConfigModel] | None:
+def model_in(annotation: Any) -> type[ConfigModel] | None:
     """The ConfigModel class inside an annotation (``X | None``, ``Annotated[X, ...]``)."""
     if isinstance(annotation, type) and issubclass(annotation, ConfigModel):
         return annotation
     origin = get_origin(annotation)
     if origin is Annotated or origin is Union or origin is types.UnionType:
         for arg in get_args(annotation):
-            found = _model_in(arg)
+            found = model_in(arg)
             if found is not None:
                 return found
     return None
@@ -307,14 +307,14 @@ def _owner(root: type[ConfigModel], loc: tuple[Any, ...]) -> type[ConfigModel] |
         name = cls.canonical_key(part)
         if name is None:
             return None
-        cls = _model_in(cls.model_fields[name].annotation)
+        cls = model_in(cls.model_fields[name].annotation)
     return cls
 
 
 def _nested_home(owner: type[ConfigModel], key: str) -> str | None:
     """``block.key`` if ``key`` is a key of one of ``owner``'s sub-blocks (misplaced key)."""
     for name, field in owner.model_fields.items():
-        sub = _model_in(field.annotation)
+        sub = model_in(field.annotation)
         if sub is not None and sub is not owner and key in sub.known_keys():
             return f"{name}.{key}"
     return None

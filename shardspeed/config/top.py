@@ -4,7 +4,9 @@ Built once (by :func:`shardspeed.config.load_config`); the runtime reads typed f
 never the raw dict. Top-level keys are checked too (``extra="forbid"``, unlike DeepSpeed):
 a misspelt key is an error with a "did you mean", and the keys ShardSpeed knows but does not
 model are listed in :mod:`shardspeed.config.legacy` (warned about or rejected, never dropped
-silently).
+silently). Every accepted key has a status in :mod:`shardspeed.config.key_status` (used,
+refused when set to a value that is not implemented, or warned about once when it has no
+effect), applied at the end of validation.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain
 from shardspeed.config.batch import resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
 from shardspeed.config.collective_check import CollectiveCheckConfig
+from shardspeed.config.key_status import check_key_status
 from shardspeed.config.legacy import UNMODELLED_KEYS, split_unmodelled
 from shardspeed.config.monitoring import (
     CometConfig,
@@ -321,6 +324,7 @@ class ShardSpeedConfig(ConfigModel):
                 f"ds_config vocabulary_size {self.vocabulary_size} is not a multiple of 8; "
                 "padding it to one uses tensor cores better."
             )
+        check_key_status(self)  # last: refuse unimplemented features, warn about no-op knobs
         return self
 
     # -- batch resolution ----------------------------------------------------------------------
@@ -359,6 +363,15 @@ class ShardSpeedConfig(ConfigModel):
     def raw(self) -> dict[str, Any]:
         """The user's dict as given (after JSON parsing), for checkpoints and logging."""
         return self._raw
+
+    @property
+    def activation_checkpointing_given(self) -> bool:
+        """True when the user gave an ``activation_checkpointing`` block (even ``{}``).
+
+        DeepSpeed configures activation checkpointing from the config only when the block
+        is present; otherwise ``shardspeed.checkpointing.configure`` keeps its own settings.
+        """
+        return "activation_checkpointing" in self.model_fields_set
 
     @property
     def ignored_keys(self) -> dict[str, Any]:

@@ -33,6 +33,11 @@ def _check_nvme_path(device: str, nvme_path: str | None) -> None:
         )
 
 
+def _none_means_true(value: Any) -> Any:
+    """``overlap_comm: null`` means the default (true); "auto" is dropped by the base class."""
+    return True if value is None else value
+
+
 class OffloadParamConfig(ConfigModel):
     """``zero_optimization.offload_param``: keep ZeRO-3 parameter shards on CPU or NVMe."""
 
@@ -161,10 +166,11 @@ class ZeroConfig(ConfigModel):
     allgather_bucket_size: Int = Field(
         int(5e8), ge=0, description="Elements all-gathered per bucket after the step."
     )
-    overlap_comm: bool | None = Field(
-        None,
-        description="Overlap gradient reduction with backward. None resolves to true at "
-        "stage 3 and false otherwise (always a bool after validation).",
+    overlap_comm: Annotated[bool, BeforeValidator(_none_means_true)] = Field(
+        True,
+        description="Launch each gradient bucket's reduction during backward, as soon as it "
+        "is ready. True at every stage by default (DeepSpeed: only at stage 3) because it only "
+        'changes when collectives start, never the result; "auto" or null mean true.',
     )
     load_from_fp32_weights: bool = Field(
         True, description="Initialise fp32 master weights from the checkpoint's fp32 copy."
@@ -333,8 +339,6 @@ class ZeroConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> ZeroConfig:
-        if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3
         stage = self.stage
         if self.offload_param_device != "none" and stage != 3:
             raise ConfigError.at(

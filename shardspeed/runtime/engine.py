@@ -23,6 +23,7 @@ from shardspeed.runtime.config_getters import ConfigGettersMixin
 from shardspeed.runtime.memory import memory_breakdown
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
+from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist
 from shardspeed.zero.grad_norm import GradNorm
 from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
@@ -49,17 +50,16 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self,
         model: nn.Module,
         config: ShardSpeedConfig,
+        topology: Topology,
         *,
         optimizer: Any = None,
         model_parameters: Any = None,
         lr_scheduler: Any = None,
         mpu: Any = None,
-        dp_group: Any = None,
-        norm_groups: Sequence[Any] = (),
         replicated_params: Sequence[nn.Parameter] = (),
     ) -> None:
         super().__init__()
-        self._init_state(model, config, mpu, dp_group)
+        self._init_state(model, config, topology, mpu)
         cast_module(model, self.device, self.precision.param_dtype)
         groups = collect_param_groups(model, optimizer, model_parameters)
         numel = sum(full_numel(p) for g in groups for p in g["params"])
@@ -89,13 +89,13 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 self.flat_groups,
                 self.reducer,
                 publish=self.sharding.publish,
-                grad_norm=self._grad_norm(norm_groups, replicated_params),
+                grad_norm=self._grad_norm(replicated_params),
                 loss_scaler=self.loss_scaler,
                 gradient_clipping=config.gradient_clipping,
                 check_overflow=self._checks_overflow(),
             )
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
-        if "activation_checkpointing" in config.raw:
+        if config.activation_checkpointing_given:
             from shardspeed.runtime import activation_checkpointing
 
             activation_checkpointing.configure(mpu, deepspeed_config=config)
@@ -111,19 +111,21 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
 
     # -- construction helpers ------------------------------------------------------------
     def _init_state(
-        self, model: nn.Module, config: ShardSpeedConfig, mpu: Any, dp_group: Any
+        self, model: nn.Module, config: ShardSpeedConfig, topology: Topology, mpu: Any
     ) -> None:
-        """Identity (ranks, groups, device, precision) and step counters."""
+        """Identity (ranks, mesh axes, device, precision) and step counters."""
         self.module = model
         self._config = config
         self.config = config.raw
         self.mpu = mpu
+        self.topology = topology
         self.local_rank = comm.get_local_rank()
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
+        dp_group = topology.group("data")
         self.dp_group = dp_group
-        self.dp_world_size = comm.get_world_size(group=dp_group)
-        self.dp_rank = comm.get_rank(group=dp_group)
+        self.dp_world_size = topology.size("data")
+        self.dp_rank = topology.rank_in("data")
         self.mp_world_size = self.world_size // self.dp_world_size
         self.device = get_accelerator().device(self.local_rank)
         self.precision = MixedPrecision.from_config(config)
@@ -153,7 +155,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             master_dtype=p.master_dtype,
             offload=self.offload,
             zero=config.zero_optimization,
-            overlap=self._overlap_comm(),
+            overlap=config.zero_optimization.overlap_comm,
             pre_factor=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
         )
 
@@ -163,13 +165,15 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             return LocalGradients()
         return BucketedReduction(self.dp_group, self.dp_world_size)
 
-    def _grad_norm(
-        self, extra_groups: Sequence[Any], replicated: Sequence[nn.Parameter]
-    ) -> GradNorm:
-        """Sum squared norms over the data axis when gradients are sharded over it (every
-        data rank holds the same reduced gradients at stage 0), plus ``extra_groups``
-        (the pipe axis); ``replicated`` parameters are counted by another rank."""
-        groups = [self.dp_group] if self.stage >= 1 and self.dp_world_size > 1 else []
+    def _grad_norm(self, replicated: Sequence[nn.Parameter]) -> GradNorm:
+        """Sum squared norms over every mesh axis whose ranks hold different gradient
+        elements: data when gradients are sharded over it (at stage 0 every data rank
+        holds the same reduced gradients), pipe (stages hold different layers).
+        ``replicated`` parameters are counted by another rank (a pipeline's tied copies)."""
+        topo = self.topology
+        axes = [a for a in ("data", "pipe") if topo.size(a) > 1]
+        if self.stage == 0 and "data" in axes:
+            axes.remove("data")
         skip = {id(p) for p in replicated}
         excluded = []
         base = 0
@@ -177,7 +181,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             for index, lo, hi in group.master_slices(skip):
                 excluded.append((base + index, lo, hi))
             base += len(group.masters)
-        return GradNorm([*groups, *extra_groups], self.device, excluded)
+        return GradNorm([topo.group(a) for a in axes], self.device, excluded)
 
     def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
         """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""
@@ -190,16 +194,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             param_dtype=self.precision.param_dtype,
             master_dtype=self.precision.master_dtype,
         )
-
-    def _overlap_comm(self) -> bool:
-        """Overlap reduction with backward unless the user set ``overlap_comm: false``.
-
-        DeepSpeed defaults to no overlap below stage 3; here overlap is the default at
-        every stage because it only reorders when collectives start.
-        """
-        block = self._config.raw.get("zero_optimization")
-        explicit = block.get("overlap_comm") if isinstance(block, dict) else None
-        return True if explicit in (None, "auto") else bool(explicit)
 
     def _checks_overflow(self) -> bool:
         if self.precision.param_dtype == torch.float16:

@@ -8,7 +8,8 @@ from typing import Any
 import torch.nn as nn
 
 from shardspeed import comm
-from shardspeed.config import load_config
+from shardspeed.config import ShardSpeedConfig, load_config
+from shardspeed.topology import Topology
 
 
 def _pick_config(args: Any, config: Any, config_params: Any) -> Any:
@@ -116,26 +117,44 @@ def _build_engine(
         )
     # --- end pipeline hook -------------------------------------------------------------------
 
-    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
-    dp_world_size = comm.get_world_size(group=dp_group)
-    cfg = load_config(raw_config, dp_world_size=dp_world_size)
+    cfg = load_config(raw_config)
+    topology = build_topology(cfg, mpu)
+    cfg = cfg.resolve_batch(topology.size("data"))  # the batch triple counts data ranks only
 
     from shardspeed.runtime.engine import ShardSpeedEngine
 
     engine = ShardSpeedEngine(
         model,
         cfg,
+        topology,
         optimizer=optimizer,
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
         mpu=mpu,
-        dp_group=dp_group,
     )
     dataloader = None
     if training_data is not None:
         dataloader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
         engine.training_dataloader = dataloader
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
+
+
+def build_topology(config: ShardSpeedConfig, mpu: Any = None) -> Topology:
+    """The job's device mesh: from a Megatron/DeepSpeed-style ``mpu`` when one is given,
+    otherwise from the config's parallel degrees (every rank a data rank until tensor and
+    sequence parallelism exist: the config refuses ``autotp_size``/``sequence_parallel_size``
+    above 1). Built once per layout and process group, then reused."""
+    if mpu is not None:
+        return Topology.from_mpu(mpu)
+    key = (id(comm.get_world_group()), comm.get_world_size())
+    topology = _TOPOLOGIES.get(key)
+    if topology is None:
+        topology = _TOPOLOGIES[key] = Topology.build()
+    return topology
+
+
+# Meshes already built on this process group (initialize may run many times per process).
+_TOPOLOGIES: dict[tuple[int, int], Topology] = {}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -63,7 +63,7 @@ def test_every_section_parses_its_defaults():
     zero = cfg.zero_optimization
     assert isinstance(zero, ZeroConfig) and cfg.zero_stage == 0 and not cfg.zero_enabled
     assert zero.reduce_bucket_size == 500_000_000 and zero.allgather_bucket_size == 500_000_000
-    assert zero.overlap_comm is False and zero.contiguous_gradients and zero.reduce_scatter
+    assert zero.overlap_comm is True and zero.contiguous_gradients and zero.reduce_scatter
     assert zero.offload_optimizer is None and zero.offload_param is None
     assert zero.offload_optimizer_device == "none" and zero.offload_param_device == "none"
     assert zero.stage3_prefetch_bucket_size == 50_000_000
@@ -105,7 +105,7 @@ def test_json_schema_still_builds():
 
 
 def test_every_field_has_a_description():
-    from shardspeed.config.base import ConfigModel, _model_in
+    from shardspeed.config.base import ConfigModel, model_in
 
     seen: set[type] = set()
     todo: list[type[ConfigModel]] = [ShardSpeedConfig, MonitorConfig]
@@ -116,7 +116,7 @@ def test_every_field_has_a_description():
         seen.add(cls)
         for name, field in cls.model_fields.items():
             assert field.description, f"{cls.__name__}.{name} has no description"
-            sub = _model_in(field.annotation)
+            sub = model_in(field.annotation)
             if sub is not None:
                 todo.append(sub)
     assert len(seen) > 20
@@ -369,9 +369,13 @@ def test_other_aliases():
     assert cfg.data_types.grad_accum_dtype == "fp32"
 
 
-def test_overlap_comm_resolves_by_stage():
+def test_overlap_comm_defaults_to_true_at_every_stage():
     assert load_config({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
-    assert load_config({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is False
+    assert load_config({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is True
+    auto = load_config({"zero_optimization": {"stage": 1, "overlap_comm": "auto"}})
+    assert auto.zero_optimization.overlap_comm is True
+    null = load_config({"zero_optimization": {"stage": 0, "overlap_comm": None}})
+    assert null.zero_optimization.overlap_comm is True
     explicit = load_config({"zero_optimization": {"stage": 3, "overlap_comm": False}})
     assert explicit.zero_optimization.overlap_comm is False
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from shardspeed.topology import GROUP_AXES, Coords, Topology
+from shardspeed.topology_mpu import mpu_degrees
 
 # (world, pp, dp, tp, ep, sp)
 SHAPES = [
@@ -168,3 +169,78 @@ def test_bad_queries() -> None:
         topo.coords(4)
     with pytest.raises(RuntimeError, match="create_groups"):
         topo.group("data")
+
+
+def test_create_groups_needs_the_launched_world() -> None:
+    with pytest.raises(ValueError, match="needs 4 ranks but torch.distributed has 1"):
+        Topology(4, tp=2).create_groups()
+
+
+# ----------------------------------------------------------------------- from_mpu degrees
+class _DegreeMpu:
+    """An mpu that reports degrees through whichever method names it is given."""
+
+    def __init__(self, **methods: int) -> None:
+        for name, value in methods.items():
+            setattr(self, name, lambda value=value: value)
+
+    def get_data_parallel_group(self) -> None:
+        return None  # torch's "world"
+
+
+def test_mpu_degrees_prefer_megatron_names_and_default_to_one() -> None:
+    mpu = _DegreeMpu(
+        get_data_parallel_world_size=2,
+        get_tensor_model_parallel_world_size=2,
+        get_model_parallel_world_size=4,  # Megatron's pipe x tensor: not the tensor degree
+        get_pipe_parallel_world_size=3,
+    )
+    pp, dp, sp, tp, sources = mpu_degrees(mpu)
+    assert (pp, dp, sp, tp) == (3, 2, 1, 2)
+    assert sources["tp"] == "get_tensor_model_parallel_world_size()"
+    assert sources["sp"] == "no method, taken as 1"
+    only_group = mpu_degrees(_DegreeMpu())  # dp = size of the data group (world of 1 here)
+    assert only_group[:4] == (1, 1, 1, 1)
+    assert only_group.sources["dp"] == "size of get_data_parallel_group()"
+
+
+@pytest.mark.parametrize(
+    ("methods", "world", "fragments"),
+    [
+        (
+            {
+                "get_pipe_parallel_world_size": 2,
+                "get_data_parallel_world_size": 3,
+                "get_model_parallel_world_size": 2,
+            },
+            8,
+            [
+                "pp*dp*sp*tp = 2*3*1*2 = 12 but world_size is 8",
+                "pp: get_pipe_parallel_world_size()",
+                "sp: no method, taken as 1",
+                "tp: get_model_parallel_world_size()",
+            ],
+        ),
+        (
+            {"get_data_parallel_world_size": 2, "get_sequence_parallel_world_size": 2},
+            2,
+            ["pp*dp*sp*tp = 1*2*2*1 = 4 but world_size is 2"],
+        ),
+        ({"get_data_parallel_world_size": 0}, 4, ["get_data_parallel_world_size() returned 0"]),
+    ],
+)
+def test_from_mpu_degree_errors_name_every_factor(
+    methods: dict[str, int], world: int, fragments: list[str]
+) -> None:
+    with pytest.raises(ValueError) as info:
+        Topology.from_mpu(_DegreeMpu(**methods), world_size=world)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_from_mpu_needs_a_data_group() -> None:
+    class NoGroup:
+        pass
+
+    with pytest.raises(ValueError, match="needs get_data_parallel_group"):
+        Topology.from_mpu(NoGroup(), world_size=1)

@@ -93,15 +93,12 @@ class PipelineEngine(ShardSpeedEngine):
         super().__init__(
             model,
             config,
+            topology,
             optimizer=optimizer,
             model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
-            dp_group=topology.group("data"),
-            # the global norm spans every stage; tied copies on later stages count once
-            norm_groups=[topology.group("pipe")] if topology.pp > 1 else [],
-            replicated_params=model.replicated_parameters(),
+            replicated_params=model.replicated_parameters(),  # tied copies count once
         )
-        self.topology = topology
         self.ties = ties
         self.stage_id = topology.stage_id
         self.num_stages = topology.pp

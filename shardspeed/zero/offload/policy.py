@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shardspeed.utils.logging import warning_once
-
 Device = Literal["none", "cpu", "nvme"]
 
 OPTIMIZER_KEY = "zero_optimization.offload_optimizer"
@@ -103,7 +101,6 @@ class OffloadPolicy:
                 block_size=block_size,
                 threads=threads,
             )
-        _warn_unused(opt, param, aio)
         return cls(
             optimizer_device=opt_device,
             param_device=param_device,
@@ -112,26 +109,3 @@ class OffloadPolicy:
             optimizer_swap=opt_swap,
             param_swap=param_swap,
         )
-
-
-# keys accepted for DeepSpeed compatibility that change nothing here (see docs/offload.md)
-_UNUSED = {
-    OPTIMIZER_KEY: ("ratio", "super_offload", "cpuadam_cores_perc", "fast_init"),
-    PARAM_KEY: ("max_in_cpu",),
-    "aio": ("queue_depth", "single_submit", "overlap_events", "use_gds"),
-}
-
-
-def _warn_unused(opt: Any, param: Any, aio: Any) -> None:
-    """Log once per key that a set-but-unused offload option has no effect (never silent)."""
-    nvme = any(getattr(b, "device", "none") == "nvme" for b in (opt, param))
-    for key, block in ((OPTIMIZER_KEY, opt), (PARAM_KEY, param), ("aio", aio if nvme else None)):
-        if block is None or getattr(block, "device", "nvme") == "none":
-            continue
-        explicit = getattr(block, "model_fields_set", set())
-        for name in _UNUSED[key]:
-            if name in explicit:
-                warning_once(
-                    f"{key}.{name}={getattr(block, name)!r} is accepted for DeepSpeed "
-                    "compatibility but has no effect in ShardSpeed (see docs/offload.md)."
-                )
