@@ -40,7 +40,7 @@ from _bench_common import (  # noqa: E402
 )
 from trainbench.report import print_report  # noqa: E402
 from trainbench.results import merge_rounds  # noqa: E402
-from trainbench.workload import add_workload_args  # noqa: E402
+from trainbench.workload import PRESETS, add_workload_args  # noqa: E402
 
 ENGINE_GROUPS = ("torch", "deepspeed", "shardspeed")
 SHARDSPEED_PROBE = "import shardspeed; shardspeed.initialize; print('ok')"
@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    known, _ = p.parse_known_args(argv)
+    if known.preset:
+        p.set_defaults(**PRESETS[known.preset])
     args = p.parse_args(argv)
     if args.device == "auto":
         import torch

@@ -67,10 +67,31 @@ class Workload:
         )
 
 
+# Named model sizes (``--preset``); explicit flags still override them.
+PRESETS: dict[str, dict[str, int]] = {
+    "small": {},  # the Workload defaults (about 3.3M parameters)
+    # about 117M parameters: the issue-13 speed check at a size where compute dominates
+    "117m": {
+        "n_layer": 8,
+        "n_embd": 1024,
+        "n_head": 16,
+        "vocab_size": 8192,
+        "block_size": 128,
+        "micro_batch": 4,
+    },  # fmt: skip
+}
+
+
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Model-size, batch and step flags shared by the parent and its children."""
     d = Workload()
     g = parser.add_argument_group("workload")
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, micro 4)",
+    )
     g.add_argument("--n-layer", type=int, default=d.n_layer)
     g.add_argument("--n-embd", type=int, default=d.n_embd)
     g.add_argument("--n-head", type=int, default=d.n_head)

@@ -239,7 +239,7 @@ def test_add_config_arguments() -> None:
     assert os.path.basename(ns.deepspeed_config) == "cfg.json"
 
 
-def _activation_checkpointing_config() -> dict:
+def _activation_checkpointing_config(stage: int) -> dict:
     from shardspeed import checkpointing
 
     checkpointing.reset()
@@ -248,14 +248,17 @@ def _activation_checkpointing_config() -> dict:
         config={
             "train_micro_batch_size_per_gpu": 2,
             "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_optimization": {"stage": stage},
             "activation_checkpointing": {"cpu_checkpointing": True},
         },
     )
     return {"configured": checkpointing.is_configured(), "settings": str(checkpointing.settings())}
 
 
-def test_engine_applies_activation_checkpointing_block() -> None:
-    out = run_distributed(_activation_checkpointing_config, 2)[0]
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_engine_applies_activation_checkpointing_block(stage: int) -> None:
+    # one engine for every stage: stage 3 once had its own copy of the setup and skipped it
+    out = run_distributed(_activation_checkpointing_config, 2, stage)[0]
     assert out["configured"] and "cpu_checkpointing=True" in out["settings"]
 
 
