@@ -28,7 +28,7 @@ from shardspeed.checkpoint.format import (
     overlapping,
     tensor_key,
 )
-from shardspeed.zero.fragments import MasterFragment
+from shardspeed.zero.fragments import MasterFragment, param_fragments
 
 
 def param_names(module: nn.Module) -> dict[int, str]:
@@ -51,7 +51,17 @@ def master_fragments(engine: Any) -> Iterator[MasterFragment]:
     names = param_names(engine.module)
     replicated = _replicated_ids(engine)
     for group in engine.flat_groups:
-        yield from group.master_fragments(names, engine.dp_rank, replicated)
+        for f in param_fragments(group):
+            yield MasterFragment(
+                name=names[id(f.param)],
+                shape=list(f.shape),
+                start=f.start,
+                length=f.length,
+                master=group.masters[f.master_index],
+                local=f.local,
+                # stage 0 replicas: rank 0 writes; a pipeline's tied copies: another stage
+                writes=(f.sharded or engine.dp_rank == 0) and id(f.param) not in replicated,
+            )
 
 
 def _replicated_ids(engine: Any) -> set[int]:

@@ -25,6 +25,7 @@ from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.zero.fragments import param_fragments
 from shardspeed.zero.grad_norm import GradNorm
 from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
 from shardspeed.zero.init_partition import full_numel
@@ -175,11 +176,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         if self.stage == 0 and "data" in axes:
             axes.remove("data")
         skip = {id(p) for p in replicated}
-        excluded = []
-        base = 0
+        excluded, base = [], 0  # (index into all masters, lo, hi)
         for group in self.flat_groups:
-            for index, lo, hi in group.master_slices(skip):
-                excluded.append((base + index, lo, hi))
+            for f in param_fragments(group):
+                if id(f.param) in skip:
+                    excluded.append((base + f.master_index, f.local, f.local + f.length))
             base += len(group.masters)
         return GradNorm([topo.group(a) for a in axes], self.device, excluded)
 

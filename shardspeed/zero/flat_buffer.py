@@ -28,9 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from shardspeed.zero.fragments import MasterFragment
 from shardspeed.zero.offload.host import copy_to_host
-from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout, param_shard_fragments
+from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout
 
 if TYPE_CHECKING:
     from shardspeed.zero.offload import OffloadRuntime
@@ -196,39 +195,9 @@ class FlatGroup:
         for idx in bucket.param_indices:
             self.params[idx].grad = None
 
-    def master_fragments(
-        self, names: dict[int, str], dp_rank: int, replicated: set[int]
-    ) -> Iterator[MasterFragment]:
-        """This rank's fragment of every parameter, in its bucket's master."""
-        layout = self.layout
-        writes = layout.shard_world_size > 1 or dp_rank == 0  # stage 0: rank 0 writes
-        for p_idx, p_start, length, shard_off in param_shard_fragments(layout, self.shard_rank):
-            param = self.params[p_idx]
-            bucket = layout.slots[p_idx].bucket_index
-            yield MasterFragment(
-                name=names[id(param)],
-                shape=list(param.shape),
-                start=p_start,
-                length=length,
-                master=self.masters[bucket],
-                local=shard_off - layout.shard_offset(bucket),
-                writes=writes and id(param) not in replicated,
-            )
-
-    def master_slices(self, param_ids: set[int]) -> list[tuple[int, int, int]]:
-        """``(master index, lo, hi)``: the parts of this rank's masters holding the given
-        parameters (the gradient norm leaves out parameters another rank counts)."""
-        out = []
-        for i, param in enumerate(self.params):
-            if id(param) not in param_ids:
-                continue
-            slot = self.layout.slots[i]
-            bucket = self.buckets[slot.bucket_index]
-            lo, hi = bucket.shard_range(self.shard_rank)
-            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-            if start < end:
-                out.append((bucket.index, start - lo, end - lo))
-        return out
+    def layouts(self) -> Iterator[tuple[FlatLayout, int, list[nn.Parameter], list, int]]:
+        """The one layout of this group (see :func:`shardspeed.zero.fragments.param_fragments`)."""
+        yield self.layout, self.shard_rank, self.params, [p.shape for p in self.params], 0
 
     def grad_slots(self, group_index: int) -> list[FlatBucket]:
         """One reducer slot per bucket (see :class:`shardspeed.zero.reducer.GradSlot`)."""

@@ -8,9 +8,14 @@ reloads them by parameter name and global offset, so it never needs to know the 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn as nn
+
+from shardspeed.zero.partition import param_shard_fragments
 
 
 @dataclass(frozen=True)
@@ -28,3 +33,36 @@ class MasterFragment:
     master: torch.Tensor
     local: int
     writes: bool
+
+
+@dataclass(frozen=True)
+class ParamFragment:
+    """Elements [start, start + length) of ``param`` (flattened), held by this rank at
+    ``local`` in master ``master_index`` of its group; ``sharded``: other ranks hold
+    other elements (False: every rank holds the whole parameter, stage 0)."""
+
+    param: nn.Parameter
+    shape: torch.Size
+    start: int
+    length: int
+    master_index: int
+    local: int
+    sharded: bool
+
+
+def param_fragments(group: Any) -> Iterator[ParamFragment]:
+    """This rank's fragment of every parameter of a sharding group (``FlatGroup`` or
+    ``UnitGroup``), from the layouts the group reports through ``layouts()``:
+    ``(layout, rank, params, shapes, first master index)``, one bucket one master."""
+    for layout, rank, params, shapes, base in group.layouts():
+        for index, start, length, shard_offset in param_shard_fragments(layout, rank):
+            bucket = layout.slots[index].bucket_index
+            yield ParamFragment(
+                params[index],
+                shapes[index],
+                start,
+                length,
+                base + bucket,
+                shard_offset - layout.shard_offset(bucket),
+                layout.shard_world_size > 1,
+            )

@@ -19,10 +19,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardspeed.zero.fragments import MasterFragment
 from shardspeed.zero.init_partition import full_numel, materialize_init_params
 from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
-from shardspeed.zero.partition import param_shard_fragments
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 from shardspeed.zero.sharding import ShardingContext
 
@@ -94,35 +92,10 @@ class UnitGroup:
         """The engine's OffloadRuntime (the optimizer asks it for the NVMe swapper)."""
         return self.flats[0].offload if self.flats else None
 
-    def master_fragments(
-        self, names: dict[int, str], dp_rank: int, replicated: set[int]
-    ) -> Iterator[MasterFragment]:
-        """This rank's fragment of every parameter of every flat, in the flat's master."""
-        for flat in self.flats:
-            writes = flat.layout.shard_world_size > 1 or dp_rank == 0
-            base = flat.layout.shard_offset(0)
-            for p_idx, p_start, length, shard_off in param_shard_fragments(flat.layout, flat.rank):
-                param = flat.params[p_idx]
-                yield MasterFragment(
-                    name=names[id(param)],
-                    shape=list(param.ds_shape),
-                    start=p_start,
-                    length=length,
-                    master=flat.master,
-                    local=shard_off - base,
-                    writes=writes and id(param) not in replicated,
-                )
-
-    def master_slices(self, param_ids: set[int]) -> list[tuple[int, int, int]]:
-        """``(master index, lo, hi)`` of the given parameters in this rank's masters."""
-        out = []
+    def layouts(self) -> Iterator[tuple[Any, int, list[nn.Parameter], list, int]]:
+        """One single-bucket layout per flat (see ``zero.fragments.param_fragments``)."""
         for index, flat in enumerate(self.flats):
-            lo, hi = flat.bucket.shard_range(flat.rank)
-            for slot, param in zip(flat.layout.slots, flat.params):
-                start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if id(param) in param_ids and start < end:
-                    out.append((index, start - lo, end - lo))
-        return out
+            yield flat.layout, flat.rank, flat.params, [p.ds_shape for p in flat.params], index
 
     def optimizer_grad(self, flat: ShardedFlat) -> torch.Tensor:
         return flat.optimizer_grad()
