@@ -23,14 +23,26 @@ other than the grid is logged: the other axes then follow the grid, not the mpu.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from shardspeed.utils.logging import get_logger, log_dist
 
-if TYPE_CHECKING:
-    from shardspeed.topology import Topology
-
 logger = get_logger(__name__)
+
+
+class _Mesh(Protocol):
+    """What :func:`topology_from_mpu` uses of :class:`~shardspeed.topology.Topology`.
+
+    Structural, so this module never imports ``shardspeed.topology`` (which imports it).
+    """
+
+    def axis_ranks(self, axis: str, rank: int | None = None) -> list[int]: ...
+
+    def create_groups(self, *, adopt: Mapping[str, Any] | None = None) -> None: ...
+
+
+_MeshT = TypeVar("_MeshT", bound=_Mesh)
 
 _DEGREE_METHODS: dict[str, tuple[str, ...]] = {
     "pp": ("get_pipeline_model_parallel_world_size", "get_pipe_parallel_world_size"),
@@ -116,8 +128,8 @@ def _mpu_groups(mpu: Any, pp: int) -> dict[str, Any]:
 
 
 def topology_from_mpu(
-    cls: type[Topology], mpu: Any, world_size: int | None, *, ep: int = 1
-) -> Topology:
+    cls: Callable[..., _MeshT], mpu: Any, world_size: int | None, *, ep: int = 1
+) -> _MeshT:
     """:meth:`Topology.from_mpu`: validate the mpu's degrees, build the mesh, adopt groups."""
     from shardspeed import comm
 

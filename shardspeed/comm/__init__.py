@@ -70,6 +70,7 @@ from shardspeed.comm.logger import (
     set_current_tag,
 )
 from shardspeed.comm.sequence_check import CollectiveSequenceCheck
+from shardspeed.utils.reset_hooks import register_reset_hook
 
 
 def _reset_comm_globals() -> None:
@@ -79,13 +80,7 @@ def _reset_comm_globals() -> None:
     backend.reset_state()
 
 
-def _register_reset() -> None:
-    from shardspeed.testing.hooks import register_reset_hook
-
-    register_reset_hook(_reset_comm_globals)
-
-
-_register_reset()
+register_reset_hook(_reset_comm_globals)
 
 __all__ = [
     "CollectiveError",

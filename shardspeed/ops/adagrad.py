@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from shardspeed.optim.kernels import default_kernel_flags, materialize, param_tensors
+from shardspeed.ops.kernels import default_kernel_flags, materialize, param_tensors
 from shardspeed.utils.logging import warning_once
 
 

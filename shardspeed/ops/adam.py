@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from shardspeed.ops.cpu_adam import ENV_VAR, Backend, adam_step_, select_backend
-from shardspeed.optim.kernels import default_kernel_flags, materialize, param_tensors
+from shardspeed.ops.kernels import default_kernel_flags, materialize, param_tensors
 from shardspeed.utils.logging import info_once
 
 _HAS_DECOUPLED_FLAG = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters

@@ -7,6 +7,8 @@ engine whether the optimizer can step a flat 1/N shard of concatenated parameter
 
 from __future__ import annotations
 
+from shardspeed.ops.lamb import Lamb
+from shardspeed.ops.lion import Lion
 from shardspeed.optim.factory import (
     OPTIMIZER_NAMES,
     build_optimizer,
@@ -14,8 +16,6 @@ from shardspeed.optim.factory import (
     optimizer_names,
     register_optimizer,
 )
-from shardspeed.optim.lamb import Lamb
-from shardspeed.optim.lion import Lion
 
 __all__ = [
     "OPTIMIZER_NAMES",

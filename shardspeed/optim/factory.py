@@ -8,12 +8,12 @@ DeepSpeed's mapping (case-insensitive ``type``):
   decoupled. ``torch_adam`` is accepted and removed. ``weight_decay`` defaults to 0.0 as
   in DeepSpeed's ``FusedAdam`` (not torch AdamW's 0.01) unless ``torch_adam`` is true.
   With ``offload=True`` the optimizer is :class:`~shardspeed.ops.adam.DeepSpeedCPUAdam`.
-* ``Lamb`` -> :class:`~shardspeed.optim.lamb.Lamb`; ``Lion`` -> :class:`~shardspeed.optim.lion.Lion`
+* ``Lamb`` -> :class:`~shardspeed.ops.lamb.Lamb`; ``Lion`` -> :class:`~shardspeed.ops.lion.Lion`
   (``DeepSpeedCPULion`` with offload); ``Adagrad`` -> ``torch.optim.Adagrad``
   (``DeepSpeedCPUAdagrad`` with offload); ``SGD`` and any other ``torch.optim`` class name
   -> that class.
 
-The fastest kernel is chosen from the parameters' device (see :mod:`shardspeed.optim.kernels`)
+The fastest kernel is chosen from the parameters' device (see :mod:`shardspeed.ops.kernels`)
 unless ``params`` sets ``fused`` or ``foreach``.
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from shardspeed.optim.kernels import default_kernel_flags, materialize, param_tensors
-from shardspeed.optim.lamb import Lamb
-from shardspeed.optim.lion import Lion
+from shardspeed.ops.kernels import default_kernel_flags, materialize, param_tensors
+from shardspeed.ops.lamb import Lamb
+from shardspeed.ops.lion import Lion
 
 _TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     name: cls

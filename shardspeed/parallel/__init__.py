@@ -1,2 +1,3 @@
-"""Model-parallel building blocks (pipeline parallelism lives in ``pipeline/``; its public
-API is ``shardspeed.pipe``)."""
+"""Model-parallel building blocks (pipeline schedules, partitioning and p2p live in
+``pipeline/``; the pipeline runtime is ``shardspeed.runtime.pipe``; the public API is
+``shardspeed.pipe``)."""

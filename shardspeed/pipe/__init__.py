@@ -14,18 +14,18 @@ from __future__ import annotations
 from typing import Any
 
 from shardspeed.parallel.pipeline.layers import LayerSpec, TiedLayerSpec
-from shardspeed.parallel.pipeline.module import PipelineModule
 from shardspeed.parallel.pipeline.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     ProcessTopology,
 )
+from shardspeed.runtime.pipe.module import PipelineModule
 
 
 def __getattr__(name: str) -> Any:
     # The engine imports the whole training runtime; load it only when asked for.
     if name in ("PipelineEngine", "PipelineError"):
-        from shardspeed.parallel.pipeline import engine
+        from shardspeed.runtime.pipe import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'shardspeed.pipe' has no attribute {name!r}")

@@ -68,8 +68,8 @@ def initialize(
     if dist_init_required is not False and not comm.is_initialized():
         comm.init_distributed(distributed_port=distributed_port)
 
-    from shardspeed.utils.tensor_fragment import link_engine
     from shardspeed.zero import construct
+    from shardspeed.zero.tensor_fragment import link_engine
 
     with construct.paused():  # like DeepSpeed, an active zero.Init is suspended here
         result = _build_engine(
@@ -98,11 +98,11 @@ def _build_engine(
     collate_fn: Any,
 ) -> tuple[Any, Any, Any, Any]:
     # --- pipeline parallelism (issue 7): a PipelineModule gets the PipelineEngine ---------
-    from shardspeed.parallel.pipeline.module import PipelineModule
+    from shardspeed.runtime.pipe.module import PipelineModule
     from shardspeed.zero.init_partition import materialize_init_params
 
     if isinstance(model, PipelineModule):
-        from shardspeed.parallel.pipeline.engine import initialize_pipeline
+        from shardspeed.runtime.pipe.engine import initialize_pipeline
 
         materialize_init_params(model, "pipeline parallelism does not shard parameters")
         return initialize_pipeline(

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 from shardspeed.testing.decorators import distributed_test
-from shardspeed.testing.hooks import register_reset_hook, reset_hooks, run_reset_hooks
 from shardspeed.testing.parity import assert_close_rel
 from shardspeed.testing.pool import (
     DistributedTestError,
@@ -17,6 +16,7 @@ from shardspeed.testing.pool import (
     run_distributed,
     shutdown_pools,
 )
+from shardspeed.utils.reset_hooks import register_reset_hook, reset_hooks, run_reset_hooks
 
 __all__ = [
     "DistributedTestError",

@@ -147,7 +147,7 @@ def _teardown_process_group(barrier: bool) -> None:
 def _run_task(rank: int, spec: dict[str, Any], base_store: Any, tasks: Any) -> tuple[str, Any]:
     import torch
 
-    from shardspeed.testing.hooks import run_reset_hooks
+    from shardspeed.utils.reset_hooks import run_reset_hooks
 
     sys.path[:] = spec["sys_path"]
     os.environ.clear()

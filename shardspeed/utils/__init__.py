@@ -1,6 +1,6 @@
 """Small shared utilities (logging, accelerator helpers) and, as in ``deepspeed.utils``, the
 ``safe_get_*`` / ``safe_set_*`` accessors of a parameter's fp32 state
-(:mod:`shardspeed.utils.tensor_fragment`, loaded on first use)."""
+(:mod:`shardspeed.zero.tensor_fragment`, loaded on first use)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,6 @@ __all__ = ["get_logger", "log_dist", "logger", *_FRAGMENT_API]
 def __getattr__(name: str) -> Any:
     if name not in _FRAGMENT_API:
         raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module("shardspeed.utils.tensor_fragment"), name)
+    value = getattr(importlib.import_module("shardspeed.zero.tensor_fragment"), name)
     globals()[name] = value
     return value

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from shardspeed.utils.reset_hooks import register_reset_hook
 from shardspeed.zero.init_partition import is_init_partitioned, reinitialize
 
 
@@ -171,10 +172,4 @@ def paused() -> Iterator[None]:
             PATCHES.install()
 
 
-def _register_reset() -> None:
-    from shardspeed.testing.hooks import register_reset_hook
-
-    register_reset_hook(PATCHES.reset)
-
-
-_register_reset()
+register_reset_hook(PATCHES.reset)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from shardspeed.testing.hooks import register_reset_hook
+from shardspeed.utils.reset_hooks import register_reset_hook
 
 # ds_config key -> attribute of CheckpointSettings
 _CONFIG_KEYS = {

@@ -4,7 +4,7 @@ The engine is a :class:`ShardSpeedEngine` over *this stage's* layers with the to
 data-parallel group, so ZeRO-1 sharding, mixed precision, loss scaling, clipping and the
 LR schedule are the sharding engine's own code. What it adds:
 
-* ``train_batch`` runs the schedule's instructions (:mod:`.schedule`) through an
+* ``train_batch`` runs the schedule's instructions (:mod:`shardspeed.parallel.pipeline.schedule`) through an
   :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps`` micro-batches,
   gradient reduction switched off (``set_gradient_reduction(False)``) until the end;
 * at the end of the batch: ``ReduceTiedGrads`` (sum tied weights over their tie
@@ -24,13 +24,13 @@ import torch
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
 from shardspeed.config import ShardSpeedConfig, load_config
-from shardspeed.parallel.pipeline.executor import ScheduleExecutor
 from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads, ReduceTiedGrads
-from shardspeed.parallel.pipeline.module import PipelineModule
 from shardspeed.parallel.pipeline.p2p import StageLink
 from shardspeed.parallel.pipeline.schedule import build_schedule, check_schedule_args
 from shardspeed.parallel.pipeline.tied import TiedWeights
 from shardspeed.runtime.engine import ShardSpeedEngine
+from shardspeed.runtime.pipe.executor import ScheduleExecutor
+from shardspeed.runtime.pipe.module import PipelineModule
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist
 

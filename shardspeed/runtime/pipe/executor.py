@@ -25,9 +25,9 @@ from shardspeed.parallel.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
-from shardspeed.parallel.pipeline.module import PipelineModule
 from shardspeed.parallel.pipeline.p2p import PendingRecv, StageLink, as_tensor_tuple
 from shardspeed.parallel.pipeline.schedule import PipeSchedule
+from shardspeed.runtime.pipe.module import PipelineModule
 
 Key = tuple[int, int]  # (micro_batch, chunk)
 
