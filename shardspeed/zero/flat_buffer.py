@@ -199,6 +199,10 @@ class FlatGroup:
         """The one layout of this group (see :func:`shardspeed.zero.fragments.param_fragments`)."""
         yield self.layout, self.shard_rank, self.params, [p.shape for p in self.params], 0
 
+    def is_gathered(self, index: int) -> bool:
+        """Bucket ``index``'s parameters are whole on this rank (always, at stages 0-2)."""
+        return True
+
     def grad_slots(self, group_index: int) -> list[FlatBucket]:
         """One reducer slot per bucket (see :class:`shardspeed.zero.reducer.GradSlot`)."""
         return [FlatBucket(self, b, group_index) for b in self.buckets]

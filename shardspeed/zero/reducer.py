@@ -49,19 +49,15 @@ class GradSlot(Protocol):
 
     def owned_range(self) -> tuple[int, int] | None:
         """This rank's (lo, hi) within the bucket, or None if every rank keeps all of it."""
-        ...
 
     def on_grad(self, param: nn.Parameter) -> None:
         """Called first in every grad hook (stages 0/1 accumulate into the flat buffer)."""
-        ...
 
     def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
         """The whole padded bucket of gradients, ``(numel,)`` in ``dtype``."""
-        ...
 
     def store(self, reduced: torch.Tensor) -> None:
         """Keep this rank's averaged slice (copy, or accumulate across micro-steps)."""
-        ...
 
     def stage_host_grad(self) -> None: ...
 

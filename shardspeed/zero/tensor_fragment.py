@@ -67,51 +67,37 @@ def _fragment(layout: FlatLayout, rank: int, index: int) -> tuple[int, int, int,
     return hit[0] - slot.offset, hit[1] - hit[0], slot.bucket_index, hit[0] - owned[0]
 
 
-class _FlatGroupSource:
-    """Stages 0-2: the parameter is a view into a ``FlatGroup``; masters are per bucket."""
+class _Source:
+    """One layout of a sharding group (a ``FlatGroup``, or one flat of a stage-3
+    ``UnitGroup``, see :func:`shardspeed.zero.fragments.param_fragments`)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.params = group.params
-        self.sharded = group.layout.shard_world_size > 1
+    def __init__(self, group: Any, layout: FlatLayout, rank: int, params: list, base: int):
+        self.group, self.layout, self.rank, self.params, self.base = (
+            group, layout, rank, params, base,
+        )  # fmt: skip
+        self.sharded = layout.shard_world_size > 1
 
-    def fragment(self, index: int) -> LocalFragment:
-        g = self.group
-        start, length, b, offset = _fragment(g.layout, g.shard_rank, index)
-        grad = g.shard_grad(g.buckets[b])
-        return LocalFragment(start, length, g.masters[b], grad, offset)
-
-    def publish(self) -> None:
-        self.group.copy_masters_to_params()
-
-    def has_full_copy(self) -> bool:
-        return True  # ``param.data`` is the whole parameter on every rank
-
-
-class _ShardedFlatSource:
-    """Stage 3: the parameter lives in a ``ShardedFlat`` (one padded bucket per unit)."""
-
-    def __init__(self, flat: Any) -> None:
-        self.flat = flat
-        self.params = flat.params
-        self.sharded = flat.layout.shard_world_size > 1
+    def _master_index(self, index: int) -> int:
+        return self.base + self.layout.slots[index].bucket_index
 
     def fragment(self, index: int) -> LocalFragment:
-        f = self.flat
-        start, length, _, offset = _fragment(f.layout, f.rank, index)
-        return LocalFragment(start, length, f.master, f.grad_shard, offset)
+        start, length, _, offset = _fragment(self.layout, self.rank, index)
+        m = self._master_index(index)
+        grad = self.group.shard_grad(self.group.buckets[m])  # aligned with the master
+        return LocalFragment(start, length, self.group.masters[m], grad, offset)
 
-    def publish(self) -> None:
-        self.flat.copy_master_to_shard()
+    def publish(self, index: int) -> None:
+        self.group.copy_master_to_params(self._master_index(index))
 
-    def has_full_copy(self) -> bool:
-        return self.flat.full is not None  # gathered now (persistent, or inside a block)
+    def has_full_copy(self, index: int) -> bool:
+        """``param.data`` is the whole parameter now (stage 3: gathered, e.g. persistent)."""
+        return self.group.is_gathered(self._master_index(index))
 
 
 @dataclass(frozen=True)
 class _Link:
     engine: weakref.ref
-    source: _FlatGroupSource | _ShardedFlatSource
+    source: _Source
     index: int
 
 
@@ -119,13 +105,9 @@ def link_engine(engine: Any) -> None:
     """Point every parameter ``engine`` trains at its flat storage (called by ``initialize``)."""
     ref = weakref.ref(engine)
     for group in getattr(engine, "flat_groups", None) or []:
-        flats = getattr(group, "flats", None)
-        if flats is None:
-            sources: list[Any] = [_FlatGroupSource(group)]
-        else:
-            sources = [_ShardedFlatSource(f) for f in flats]
-        for source in sources:
-            for i, p in enumerate(source.params):
+        for layout, rank, params, _, base in group.layouts():
+            source = _Source(group, layout, rank, params, base)
+            for i, p in enumerate(params):
                 setattr(p, _LINK, _Link(ref, source, i))
 
 
@@ -150,6 +132,7 @@ class _Handle:
         self.param = param
         self.engine = engine
         self.source = link.source
+        self.index = link.index
         self.fragment = link.source.fragment(link.index)
         self.shape = torch.Size(getattr(param, "ds_shape", param.shape))
         if self.fragment.master.numel() == 0:  # same on every rank: no collective is skipped
@@ -235,8 +218,8 @@ class _Handle:
 
     def refresh_param(self, full: torch.Tensor | None) -> None:
         """After the masters changed: update the parameter's own storage (``full`` if known)."""
-        self.source.publish()
-        if self.source.has_full_copy():
+        self.source.publish(self.index)
+        if self.source.has_full_copy(self.index):
             if full is None:
                 full = self.assemble(self.fragment.view(self.fragment.master))
             with torch.no_grad():

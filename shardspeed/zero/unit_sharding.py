@@ -97,6 +97,12 @@ class UnitGroup:
         for index, flat in enumerate(self.flats):
             yield flat.layout, flat.rank, flat.params, [p.ds_shape for p in flat.params], index
 
+    def shard_grad(self, flat: ShardedFlat) -> torch.Tensor:
+        return flat.grad_shard
+
+    def is_gathered(self, index: int) -> bool:
+        return self.flats[index].full is not None
+
     def optimizer_grad(self, flat: ShardedFlat) -> torch.Tensor:
         return flat.optimizer_grad()
 
