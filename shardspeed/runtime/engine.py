@@ -26,13 +26,13 @@ from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_o
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist
 from shardspeed.zero.fragments import param_fragments
-from shardspeed.zero.grad_norm import GradNorm
+from shardspeed.zero.grad_norm import GradNorm, NormTerm
 from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
 from shardspeed.zero.init_partition import full_numel
 from shardspeed.zero.offload import OffloadRuntime
 from shardspeed.zero.optimizer import ShardedOptimizer, StepResult
 from shardspeed.zero.reducer import GradReducer
-from shardspeed.zero.sharding import ShardingContext, build_sharding
+from shardspeed.zero.sharding import ShardAxis, ShardingContext, build_sharding
 
 logger = get_logger(__name__)
 
@@ -65,6 +65,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         groups = collect_param_groups(model, optimizer, model_parameters)
         numel = sum(full_numel(p) for g in groups for p in g["params"])
         self.offload = self._build_offload(optimizer, numel)
+        self.shard_axes = [self._shard_axis(g) for g in groups]
         self.sharding = build_sharding(self._sharding_context(), groups, model)
         self.flat_groups = self.sharding.groups
         self.basic_optimizer = rebind_optimizer(
@@ -77,7 +78,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(
             self.sharding.grad_slots(),
-            self._grad_reduction(),
+            [self._grad_reduction(axis) for axis in self.shard_axes],
             self.sharding.reduction_policy(),
             is_boundary=self.is_gradient_accumulation_boundary,
         )
@@ -148,7 +149,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             stage=self.stage,
             dp_group=self.dp_group,
             dp_world_size=self.dp_world_size,
-            dp_rank=self.dp_rank,
+            axes=self.shard_axes,
             device=self.device,
             param_dtype=p.param_dtype,
             grad_dtype=p.grad_dtype(config.gradient_accumulation_steps),
@@ -160,11 +161,16 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             pre_factor=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
         )
 
-    def _grad_reduction(self) -> GradReduction:
+    def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
+        """The ranks a param group is sharded and reduced over: the data axis."""
+        topo = self.topology
+        return ShardAxis(topo.group("data"), topo.size("data"), topo.rank_in("data"))
+
+    def _grad_reduction(self, axis: ShardAxis) -> GradReduction:
         """The communication seam: an optimizer that reduces by itself gets local grads."""
         if getattr(self.basic_optimizer, "reduces_gradients", False):
             return LocalGradients()
-        return BucketedReduction(self.dp_group, self.dp_world_size)
+        return BucketedReduction(axis.group, axis.size)
 
     def _grad_norm(self, replicated: Sequence[nn.Parameter]) -> GradNorm:
         """Sum squared norms over every mesh axis whose ranks hold different gradient
@@ -182,7 +188,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 if id(f.param) in skip:
                     excluded.append((base + f.master_index, f.local, f.local + f.length))
             base += len(group.masters)
-        return GradNorm([topo.group(a) for a in axes], self.device, excluded)
+        terms = [NormTerm(excluded, None)] if skip else []
+        return GradNorm([topo.group(a) for a in axes], self.device, terms)
 
     def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
         """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""

@@ -255,6 +255,7 @@ class FlatBucket:
         self.params = [group.params[i] for i in bucket.param_indices]
         self._index = {id(p): i for p, i in zip(self.params, bucket.param_indices)}
         self.streams_to_host = bool(group.host_grads)
+        self.group_index = group_index
         self.label = f"group {group_index} bucket {bucket.index}"
         self._sharded = group.layout.shard_world_size > 1
 

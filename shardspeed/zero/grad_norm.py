@@ -1,14 +1,19 @@
-"""The global gradient norm: one code path for every stage, pipeline and (later) TP/EP.
+"""The global gradient norm: one code path for every stage, pipeline, TP and expert layout.
 
 Each rank holds the master gradients of its shard. The global squared norm is the sum,
 over every rank that holds a *distinct* piece of the parameters, of its local squared
 norm; so the strategy is built once from the layout:
 
-* ``groups``: the process groups to sum over — the data axis when gradients are sharded
-  over it (ZeRO >= 1; at stage 0 every data rank holds the same reduced gradients), the
-  pipe axis when stages hold different layers;
-* ``excluded``: slices of master gradients that another rank also counts (a pipeline's
-  tied copies on later stages), subtracted before the sum so they count once.
+* ``groups``: the process groups to sum over by default — the data axis when gradients
+  are sharded over it (ZeRO >= 1; at stage 0 every data rank holds the same reduced
+  gradients), the pipe axis when stages hold different layers;
+* ``terms``: slices of master gradients summed over *other* groups (tensor-parallel
+  shards also over the tensor axis; expert parameters over their expert axes), or not
+  counted at all (``groups=None``: a pipeline's tied copy that another stage counts).
+
+Every rank builds the same terms in the same order (a term may hold no slice on a
+rank), so the collectives match: one all-reduce per distinct group, over the entries of
+the terms that sum over it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ import torch
 
 from shardspeed import comm
 
+Slice = tuple[int, int, int]  # (index into the flat list of master gradients, lo, hi)
+
+
+@dataclass(frozen=True)
+class NormTerm:
+    """Master-gradient slices whose squares are summed over ``groups`` (None: not counted)."""
+
+    slices: Sequence[Slice]
+    groups: Sequence[Any] | None
+
 
 @dataclass(frozen=True)
 class GradNorm:
@@ -28,18 +43,44 @@ class GradNorm:
 
     groups: Sequence[Any]
     device: torch.device
-    # (index into the flat list of master gradients, lo, hi): slices counted elsewhere
-    excluded: Sequence[tuple[int, int, int]] = field(default_factory=tuple)
+    terms: Sequence[NormTerm] = field(default_factory=tuple)
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> float:
         # grads: this rank's master gradients, one per (param group, bucket/flat)
         if grads:
             norms = torch._foreach_norm(list(grads), 2.0)
-            sq = torch.stack([n.float() for n in norms]).pow(2).sum().to(self.device)
+            rest = torch.stack([n.float() for n in norms]).pow(2).sum().to(self.device)
         else:
+            rest = torch.zeros((), dtype=torch.float32, device=self.device)
+        parts: list[tuple[torch.Tensor, Sequence[Any]]] = []
+        for term in self.terms:
             sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for index, lo, hi in self.excluded:
-            sq = sq - grads[index][lo:hi].float().pow(2).sum().to(self.device)
-        for group in self.groups:
-            comm.all_reduce(sq, group=group)
-        return float(sq.clamp_min(0).sqrt()) if torch.isfinite(sq) else float(sq)
+            for index, lo, hi in term.slices:
+                piece = grads[index][lo:hi].float().pow(2).sum().to(self.device)
+                if term.groups is None:
+                    rest = rest - piece  # counted by another rank
+                else:
+                    sq = sq + piece
+            if term.groups is not None:
+                rest = rest - sq
+                parts.append((sq, term.groups))
+        parts.insert(0, (rest, self.groups))
+        total = self._sum_over_groups(parts)
+        return float(total.clamp_min(0).sqrt()) if torch.isfinite(total) else float(total)
+
+    @staticmethod
+    def _sum_over_groups(parts: list[tuple[torch.Tensor, Sequence[Any]]]) -> torch.Tensor:
+        """All-reduce each part over its groups (one collective per distinct group)."""
+        vec = torch.stack([sq for sq, _ in parts])  # (num_parts,)
+        order: list[Any] = []
+        for _, groups in parts:
+            order += [g for g in groups if not any(g is seen for seen in order)]
+        for group in order:
+            members = [i for i, (_, groups) in enumerate(parts) if any(g is group for g in groups)]
+            if len(members) == len(parts):
+                comm.all_reduce(vec, group=group)
+            else:
+                sub = vec[members].clone()
+                comm.all_reduce(sub, group=group)
+                vec[members] = sub
+        return vec.sum()

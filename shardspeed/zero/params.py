@@ -66,6 +66,7 @@ class ShardedFlat:
         self.persistent = persistent
         self.offload = offload
         self.label = "<persistent>" if persistent else f"unit {unit_id}"  # reducer tags
+        self.group_index = 0  # the optimizer param group (set by the sharding policy)
         shapes = [full_shape(p) for p in params]  # ds_shape of zero.Init-partitioned params
         numels = [shape.numel() for shape in shapes]
         self.layout = build_layout(numels, max(sum(numels), 1), world)

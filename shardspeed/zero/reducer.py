@@ -43,6 +43,7 @@ class GradSlot(Protocol):
     """What the reducer needs of one collective's worth of gradients."""
 
     params: list[nn.Parameter]
+    group_index: int  # the optimizer param group: picks the slot's GradReduction
     streams_to_host: bool  # optimizer offload: the reduced slice is copied to the host
 
     def describe(self) -> str: ...
@@ -88,16 +89,15 @@ class GradReducer:
     def __init__(
         self,
         slots: Sequence[GradSlot],
-        reduction: GradReduction,
+        reductions: Sequence[GradReduction],
         policy: ReductionPolicy,
         *,
         is_boundary: Callable[[], bool],
     ) -> None:
         self.order = list(slots)
-        self.reduction = reduction
+        self.reductions = reductions  # per optimizer param group (data or expert axis)
         self.policy = policy
         self.is_boundary = is_boundary
-        self.post_factor = reduction.world_size / policy.pre_factor
         self.sync_enabled = True
         self.dirty = False  # a gradient arrived since the last completed reduction
         self.streams_to_host = any(s.streams_to_host for s in self.order)
@@ -156,7 +156,8 @@ class GradReducer:
             buf = slot.reduce_input(self.policy.reduce_dtype)
             if self.policy.pre_factor != 1.0:
                 buf.div_(self.policy.pre_factor)
-            self.in_flight.append(_InFlight(slot, self.reduction.launch(buf, slot.owned_range())))
+            launched = self.reductions[slot.group_index].launch(buf, slot.owned_range())
+            self.in_flight.append(_InFlight(slot, launched))
 
     # -- completion ----------------------------------------------------------------------
     @torch.no_grad()
@@ -192,8 +193,9 @@ class GradReducer:
         shard = slot.owned_range()
         if item.launched.full and shard is not None:  # keep only this rank's slice
             out = out[shard[0] : shard[1]]
-        if self.post_factor != 1.0:
-            out.div_(self.post_factor)
+        post_factor = self.reductions[slot.group_index].world_size / self.policy.pre_factor
+        if post_factor != 1.0:
+            out.div_(post_factor)
         slot.store(out)
         if slot.streams_to_host and self.is_boundary():
             slot.stage_host_grad()  # the window's final gradient: stream it now

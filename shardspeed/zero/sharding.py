@@ -20,6 +20,7 @@ usable), ``full_state_dict()``/``load_full_state_dict()``, ``remove()``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,13 +34,23 @@ from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 
 
 @dataclass(frozen=True)
+class ShardAxis:
+    """The ranks one param group is sharded and reduced over: the data axis for dense
+    parameters, an expert-data axis for expert parameters."""
+
+    group: Any
+    size: int
+    rank: int
+
+
+@dataclass(frozen=True)
 class ShardingContext:
     """Everything a sharding policy needs to know about the job, resolved by the engine."""
 
     stage: int
-    dp_group: Any
+    dp_group: Any  # the data axis (stage-3 order checks run over it)
     dp_world_size: int
-    dp_rank: int
+    axes: Sequence[ShardAxis]  # per optimizer param group
     device: torch.device
     param_dtype: torch.dtype
     grad_dtype: torch.dtype
@@ -60,8 +71,8 @@ class FlatSharding:
         self.groups = [
             FlatGroup(
                 g["params"],
-                shard_world_size=ctx.dp_world_size if sharded else 1,
-                shard_rank=ctx.dp_rank if sharded else 0,
+                shard_world_size=axis.size if sharded else 1,
+                shard_rank=axis.rank if sharded else 0,
                 bucket_size=int(ctx.zero.reduce_bucket_size),
                 param_dtype=ctx.param_dtype,
                 grad_dtype=ctx.grad_dtype,
@@ -70,7 +81,7 @@ class FlatSharding:
                 device=ctx.device,
                 offload=ctx.offload,
             )
-            for g in groups
+            for g, axis in zip(groups, ctx.axes)
         ]
 
     def describe(self) -> str:
@@ -97,14 +108,14 @@ class FlatSharding:
     def publish(self) -> None:
         """All-gather every bucket's updated slices into the full parameters (stages 1/2)."""
         works = []
-        for group in self.groups:
+        for group, axis in zip(self.groups, self.ctx.axes):
             if group.layout.shard_world_size == 1:
                 continue
             for bucket in group.buckets:
                 shard = group.param_shard(bucket).clone()
                 works.append(
                     comm.all_gather_into_tensor(
-                        group.bucket_params(bucket), shard, group=self.ctx.dp_group, async_op=True
+                        group.bucket_params(bucket), shard, group=axis.group, async_op=True
                     )
                 )
         for work in works:

@@ -152,9 +152,6 @@ class UnitSharding:
         threshold = int(zc.stage3_param_persistence_threshold)
         budget = int(zc.stage3_model_persistence_threshold)
         common = {
-            "dp_group": ctx.dp_group,
-            "world": ctx.dp_world_size,
-            "rank": ctx.dp_rank,
             "param_dtype": ctx.param_dtype,
             "grad_dtype": ctx.grad_dtype,
             "master_dtype": ctx.master_dtype,
@@ -163,7 +160,8 @@ class UnitSharding:
         }
         next_id = 0
         out = []
-        for g in groups:
+        for group_index, (g, axis) in enumerate(zip(groups, ctx.axes)):
+            common.update(dp_group=axis.group, world=axis.size, rank=axis.rank)
             per_unit: list[list[nn.Parameter]] = [[] for _ in self.units]
             keep: list[nn.Parameter] = []
             for param in g["params"]:
@@ -180,6 +178,7 @@ class UnitSharding:
                         params, unit_id=unit.id, first_param_id=next_id, persistent=False, **common
                     )
                     flat.label = f"unit {unit.name}"
+                    flat.group_index = group_index
                     unit.flats.append(flat)
                     flats.append(flat)
                     next_id += len(params)
@@ -187,6 +186,7 @@ class UnitSharding:
                 flat = ShardedFlat(
                     keep, unit_id=-1, first_param_id=next_id, persistent=True, **common
                 )
+                flat.group_index = group_index
                 self.persistent_flats.append(flat)
                 flats.append(flat)
                 next_id += len(keep)
