@@ -32,6 +32,17 @@ def _kv_memory(value: str) -> int | float:
     return number if 0 < number <= 1 else int(number)
 
 
+def _seconds(value: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not 0 < number < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds > 0 (e.g. 10)")
+    return number
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="shardspeed serve",
@@ -60,6 +71,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-request-bytes", type=int, default=1_000_000, help="largest request body (413 above)"
+    )
+    slow = p.add_argument_group("slow and idle clients")
+    slow.add_argument(
+        "--header-timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds a client has to send its request headers (408 and close after; default 10)",
+    )
+    slow.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds a client then has to send its whole body (408 after; default 30)",
+    )
+    slow.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    slow.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        help="open connections at most; the oldest idle one is closed to admit a new one "
+        "(default: the open-file limit less 512)",
     )
     p.add_argument(
         "--chat-template",
@@ -132,6 +169,10 @@ def main(argv: list[str]) -> int:
             tokenizer=args.tokenizer,
             chat_template=chat_template,
             log_level=args.log_level,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_timeout_s=args.keep_alive_timeout,
+            max_connections=args.max_connections,
             **engine_config,
         )
     except (ValueError, OSError) as err:

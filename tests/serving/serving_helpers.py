@@ -38,12 +38,19 @@ class GatedEngine:
 
 
 def start_server(engine: Any, **settings: Any) -> tuple[Any, Any]:
-    """(ServerThread, AsyncEngine) of a started server on 127.0.0.1 with a free port."""
+    """(ServerThread, AsyncEngine) of a started server on 127.0.0.1 with a free port.
+
+    ``settings`` are :class:`ServerSettings` fields plus ``max_queue``,
+    ``restart_backoff_s`` (AsyncEngine) and ``limits`` (a ``ConnectionLimits``).
+    """
     from shardspeed.inference.serving.app import ServerSettings, create_app
     from shardspeed.inference.serving.async_engine import AsyncEngine
     from shardspeed.inference.serving.server import ServerThread
 
     max_queue = settings.pop("max_queue", 256)
-    async_engine = AsyncEngine(engine, max_queue=max_queue)
+    restart_backoff_s = settings.pop("restart_backoff_s", 1.0)
+    limits = settings.pop("limits", None)
+    async_engine = AsyncEngine(engine, max_queue=max_queue, restart_backoff_s=restart_backoff_s)
     app = create_app(async_engine, ServerSettings(model_name=MODEL_NAME, **settings))
-    return ServerThread(app, host="127.0.0.1", port=0).start(), async_engine
+    thread = ServerThread(app, host="127.0.0.1", port=0, limits=limits)
+    return thread.start(), async_engine

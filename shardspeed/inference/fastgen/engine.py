@@ -8,6 +8,11 @@
     tokens = sample_next_tokens(logits)    # rows whose chunk reached the last token
     outputs = append + stop checks         # finished requests free their blocks
 
+A failure that belongs to one request does not stop the others: if the batched
+forward raises, each sequence is run alone and only those that still fail are
+finished, as are requests whose sampling or stop checks raise. Such a request ends
+with ``finish_reason="error"`` and :meth:`InferenceEngine.take_error` returns why.
+
 The engine is not thread-safe: one thread calls ``add_request``/``abort``/``step``.
 """
 
@@ -15,8 +20,11 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from shardspeed.inference.fastgen.attention import select_backend
 from shardspeed.inference.fastgen.block_pool import BlockPool
@@ -29,12 +37,18 @@ from shardspeed.inference.fastgen.outputs import RequestOutput
 from shardspeed.inference.fastgen.request import Request
 from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
-from shardspeed.inference.fastgen.scheduler import Scheduler
+from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
 from shardspeed.utils.logging import get_logger, warning_once
 
-__all__ = ["EngineConfig", "EngineStats", "InferenceEngine"]
+__all__ = ["EngineConfig", "EngineStats", "InferenceEngine", "RequestFailedError"]
 
 logger = get_logger(__name__)
+_MAX_KEPT_ERRORS = 1024  # errors nobody took are dropped oldest-first beyond this
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside a step (its forward, sampling or stop checks); the
+    engine finished it with ``finish_reason="error"`` and went on with the others."""
 
 
 @dataclass
@@ -90,6 +104,7 @@ class InferenceEngine:
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_seq_len)
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._pending: list[RequestOutput] = []  # aborted outputs for the next step()
+        self._errors: OrderedDict[str, RequestFailedError] = OrderedDict()  # see take_error
         self._ids = itertools.count()
         self._num_steps = self._tokens_generated = self._prompt_tokens = 0
 
@@ -166,7 +181,13 @@ class InferenceEngine:
                     "prompt is a str but the engine has no tokenizer; pass token ids "
                     "or give the engine a tokenizer."
                 )
-            token_ids = list(self.tokenizer.encode(prompt))
+            try:
+                token_ids = list(self.tokenizer.encode(prompt))
+            except (TypeError, UnicodeError) as exc:  # e.g. a lone surrogate "\ud800"
+                raise ValueError(
+                    f"prompt could not be tokenized ({type(exc).__name__}: {exc}); send text "
+                    "that is valid Unicode (no lone surrogates) or token ids."
+                ) from exc
         else:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
@@ -188,6 +209,11 @@ class InferenceEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def take_error(self, request_id: str) -> RequestFailedError | None:
+        """Why ``request_id`` finished with ``finish_reason="error"`` (None if it did not);
+        each error is returned once."""
+        return self._errors.pop(request_id, None)
+
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One schedule + one ragged forward; outputs of requests with new tokens or finished."""
@@ -199,20 +225,93 @@ class InferenceEngine:
         for seq in batch.sequences:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
-        logits = self.runner.execute(batch)
+        logits, batch = self._execute(batch, outputs)  # drops sequences whose forward fails
         self.scheduler.commit(batch)
         sampled = [s.request for s in batch.sequences if s.needs_logits]
-        tokens = sample_next_tokens(logits, sampled)
+        tokens = self._sample(logits, sampled, outputs)  # None where sampling failed
         now = time.perf_counter()
         for req, token in zip(sampled, tokens):
-            reason = self.output_processor.append(req, token, now)
+            if token is None:
+                continue
+            try:
+                reason = self.output_processor.append(req, token, now)
+            except Exception as exc:  # a detokenizer or stop-check failure of this request
+                self._fail(req, exc, outputs)
+                continue
             if reason is not None:
                 self.scheduler.finish(req, reason, now)
                 self._requests.pop(req.request_id, None)
             outputs.append(req.make_output())
         self._num_steps += 1
-        self._tokens_generated += len(tokens)
+        self._tokens_generated += sum(t is not None for t in tokens)
         return outputs
+
+    # ------------------------------------------------------- fault isolation
+    def _execute(
+        self, batch: ScheduledBatch, outputs: list[RequestOutput]
+    ) -> tuple[torch.Tensor, ScheduledBatch]:
+        """Logits of ``batch``, and the batch itself less the sequences that failed.
+
+        If the batched forward raises, every sequence runs alone (rewriting its own KV
+        slots with the same values); those that still fail are finished with an error.
+        When two or more sequences all fail alone, the fault is the engine's, not a
+        request's, and the original error is raised.
+        """
+        try:
+            return self.runner.execute(batch), batch
+        except Exception as batch_error:
+            logger.warning(
+                "the forward of %d sequences failed (%s); running each alone",
+                len(batch.sequences),
+                batch_error,
+            )
+            kept, rows, failed = [], [], []
+            for seq in batch.sequences:
+                try:
+                    logits = self.runner.execute(ScheduledBatch(sequences=[seq]))  # [0|1, V]
+                except Exception as exc:
+                    failed.append((seq.request, exc))
+                    continue
+                kept.append(seq)
+                rows.append(logits)
+            if len(failed) > 1 and not kept:
+                raise batch_error
+            for req, exc in failed:
+                self._fail(req, exc, outputs)
+            vocab = self.model.vocab_size
+            logits = torch.cat(rows) if rows else torch.empty(0, vocab, device=self.device)
+            return logits, ScheduledBatch(sequences=kept, preempted=batch.preempted)
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request], outputs: list[RequestOutput]
+    ) -> list[int | None]:
+        """Next token per request (``logits`` row i is ``requests[i]``'s); if the batched
+        draw raises, each request draws alone and those that fail get None."""
+        try:
+            return list(sample_next_tokens(logits, requests))
+        except Exception:
+            tokens: list[int | None] = []
+            for i, req in enumerate(requests):
+                try:
+                    tokens.append(sample_next_tokens(logits[i : i + 1], [req])[0])  # [1, V]
+                except Exception as exc:
+                    self._fail(req, exc, outputs)
+                    tokens.append(None)
+            return tokens
+
+    def _fail(self, req: Request, exc: Exception, outputs: list[RequestOutput]) -> None:
+        """Finish ``req`` with ``finish_reason="error"``, keeping ``exc`` for take_error."""
+        logger.error("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc)
+        self.scheduler.finish(req, "error")
+        self._requests.pop(req.request_id, None)
+        error = RequestFailedError(
+            f"request {req.request_id} failed while generating ({type(exc).__name__}: {exc})"
+        )
+        error.__cause__ = exc
+        self._errors[req.request_id] = error
+        while len(self._errors) > _MAX_KEPT_ERRORS:
+            self._errors.popitem(last=False)
+        outputs.append(req.make_output())
 
     def generate(
         self,
@@ -245,6 +344,10 @@ class InferenceEngine:
             for out in self.step():
                 if out.finished and out.request_id in wanted:
                     finals[out.request_id] = out
+        for rid in ids:
+            error = self.take_error(rid)
+            if error is not None:
+                raise error
         return [finals[i] for i in ids]
 
     def stats(self) -> EngineStats:

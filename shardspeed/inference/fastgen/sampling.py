@@ -4,6 +4,12 @@ The order matches HF ``generate``: repetition penalty, then temperature, top-k,
 top-p. Rows whose requests share the same parameters are processed as one
 batch; draws use each request's own ``torch.Generator`` when it has a seed, so
 its samples do not depend on what else is in the batch.
+
+Every path is numerically guarded: extreme parameters (``repetition_penalty=1e-300``,
+a tiny temperature) or non-finite model logits can push logits to ``inf``/``nan``;
+:func:`finite_logits` maps them back into float32's range and a row whose
+probabilities still cannot be sampled falls back to its argmax, so a draw never
+raises "probability tensor contains inf/nan".
 """
 
 from __future__ import annotations
@@ -32,6 +38,27 @@ def apply_repetition_penalty(
         seen = logits[row, idx]
         logits[row, idx] = torch.where(seen < 0, seen * penalty, seen / penalty)
     return logits
+
+
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with ``nan`` -> ``-inf`` and ``+-inf`` overflow clamped to the dtype's range.
+
+    A filtered-out token stays ``-inf``; a logit that overflowed to ``+inf`` becomes the
+    largest finite value (it stays the most likely token, without breaking softmax).
+    """
+    big = torch.finfo(logits.dtype).max
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+
+
+def safe_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``[M, V]`` logits; a row that is not a distribution becomes one-hot argmax."""
+    probs = logits.softmax(dim=-1)  # [M, V]
+    bad = ~torch.isfinite(probs).all(dim=-1) | (probs.sum(dim=-1) <= 0)  # [M]
+    if bad.any():
+        one_hot = torch.zeros_like(probs[bad])
+        one_hot.scatter_(-1, finite_logits(logits[bad]).argmax(dim=-1, keepdim=True), 1.0)
+        probs[bad] = one_hot
+    return probs
 
 
 def apply_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -72,10 +99,10 @@ def sample_next_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> lis
         if penalty != 1.0:
             apply_repetition_penalty(group, [requests[r].all_token_ids for r in rows], penalty)
         if temperature == 0.0:
-            chosen = group.argmax(dim=-1).tolist()
+            chosen = finite_logits(group).argmax(dim=-1).tolist()
         else:
-            group = apply_top_p(apply_top_k(group / temperature, top_k), top_p)
-            chosen = _draw(group.softmax(dim=-1), [requests[r] for r in rows])
+            group = apply_top_p(apply_top_k(finite_logits(group / temperature), top_k), top_p)
+            chosen = _draw(safe_probs(group), [requests[r] for r in rows])
         for row, token in zip(rows, chosen):
             result[row] = int(token)
     return result

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+# torch.Generator.manual_seed accepts exactly this range (64-bit signed or unsigned).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -67,9 +71,12 @@ class SamplingParams:
                 f"SamplingParams.repetition_penalty={self.repetition_penalty!r} is invalid: it "
                 "must be a finite float > 0 (1 disables it); pass e.g. repetition_penalty=1.1."
             )
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
             raise ValueError(
-                f"SamplingParams.seed={self.seed!r} is invalid: it must be an int or None."
+                f"SamplingParams.seed={self.seed!r} is invalid: it must be None or an int in "
+                f"[{SEED_MIN}, {SEED_MAX}] (what torch.Generator.manual_seed takes)."
             )
         bad_ids = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad_ids:

@@ -15,6 +15,8 @@ _LAZY_ATTRS = {
     "AsyncEngine": "shardspeed.inference.serving.async_engine",
     "QueueFullError": "shardspeed.inference.serving.async_engine",
     "EngineDeadError": "shardspeed.inference.serving.async_engine",
+    "RequestFailedError": "shardspeed.inference.serving.async_engine",
+    "ConnectionLimits": "shardspeed.inference.serving.connections",
     "serve": "shardspeed.inference.serving.server",
     "build_app": "shardspeed.inference.serving.server",
     "ServerThread": "shardspeed.inference.serving.server",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -18,13 +17,19 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shardspeed.inference.serving.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from shardspeed.inference.serving.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+    RequestStream,
+)
 from shardspeed.inference.serving.chat import render_chat_prompt
 from shardspeed.inference.serving.errors import APIError, api_error_from, from_validation_error
+from shardspeed.inference.serving.json_body import read_json_body
 from shardspeed.inference.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -58,6 +63,7 @@ class ServerSettings:
     max_request_bytes: int = 1_000_000
     default_chat_max_tokens: int = 128
     chat_template: str | None = None
+    body_timeout_s: float = 30.0
 
 
 class _ClientGone(Exception):
@@ -74,9 +80,13 @@ class OpenAIServing:
     # ---- plain routes ---------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
+        """200 ``{"status": "ok"}`` or 503 with a ``detail``; ``restarts`` once the engine
+        thread has been restarted."""
+        restarts = {"restarts": self.engine.restarts} if self.engine.restarts else {}
         if self.engine.is_healthy:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "error", "detail": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "ok", **restarts})
+        body = {"status": "error", "detail": self.engine.status_detail, **restarts}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     async def metrics(self, request: Request) -> Response:
         text = self.engine.metrics.render(queue_depth=self.engine.queue_depth)
@@ -188,7 +198,7 @@ class OpenAIServing:
     async def _next(stream: RequestStream) -> Any:
         try:
             return await stream.__anext__()
-        except (ValueError, EngineDeadError) as exc:
+        except (ValueError, EngineDeadError, RequestFailedError) as exc:
             raise api_error_from(exc) from exc
 
     @staticmethod
@@ -240,22 +250,8 @@ class OpenAIServing:
             )
 
     async def _read_json(self, request: Request) -> Any:
-        limit = self.settings.max_request_bytes
-        too_large = APIError(
-            413, f"request body exceeds the server limit of {limit} bytes", code="request_too_large"
-        )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from exc
+        s = self.settings
+        return await read_json_body(request, s.max_request_bytes, s.body_timeout_s)
 
     @staticmethod
     def _parse(model: type[M], data: Any) -> M:
@@ -332,6 +328,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, own_engine: bool =
         APIError: on_api_error,
         HTTPException: on_http_error,
         _ClientGone: on_client_gone,
+        ClientDisconnect: on_client_gone,  # left (or was cut off) while sending its body
         Exception: on_unexpected,
     }
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]

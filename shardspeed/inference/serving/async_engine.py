@@ -13,6 +13,18 @@
 The engine thread loops: apply queued add/abort commands, run one ``engine.step()``,
 hand each output to its request's asyncio queue with ``loop.call_soon_threadsafe``.
 It sleeps on the command queue while the engine is idle.
+
+Faults, from narrow to wide:
+
+* a request the engine finishes with ``finish_reason="error"`` (its forward, sampling
+  or stop checks raised; see ``InferenceEngine.step``) fails alone: its stream raises
+  :class:`RequestFailedError`, the others go on;
+* anything else that escapes the loop (``step()`` itself raising, a bug here) ends the
+  engine thread: every in-flight request fails with :class:`EngineDeadError`, the
+  engine's requests are aborted, and a supervisor thread starts a new engine thread
+  after ``restart_backoff_s`` (doubling while restarts keep failing before a step
+  succeeds, up to ``max_restart_backoff_s``). :attr:`restarts` counts them; ``/health``
+  answers 503 until the new thread runs.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from shardspeed.inference.fastgen.engine import RequestFailedError
 from shardspeed.inference.serving.metrics import EngineGauges, ServingMetrics
 from shardspeed.inference.serving.pipeline import request_timings
 from shardspeed.utils.logging import get_logger
@@ -34,6 +47,13 @@ if TYPE_CHECKING:
     from shardspeed.inference.fastgen.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "QueueFullError",
+    "RequestFailedError",
+    "RequestStream",
+]
 
 
 class QueueFullError(RuntimeError):
@@ -95,38 +115,75 @@ class AsyncEngine:
 
     ``max_queue`` bounds the requests that were accepted but have no output yet
     (waiting for a slot or still in prefill); :meth:`submit` raises
-    :class:`QueueFullError` beyond it.
+    :class:`QueueFullError` beyond it. ``restart_backoff_s`` and
+    ``max_restart_backoff_s`` pace the restarts of a dead engine thread.
     """
 
     def __init__(
-        self, engine: Any, max_queue: int = 256, metrics: ServingMetrics | None = None
+        self,
+        engine: Any,
+        max_queue: int = 256,
+        metrics: ServingMetrics | None = None,
+        restart_backoff_s: float = 1.0,
+        max_restart_backoff_s: float = 30.0,
     ) -> None:
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue={max_queue!r} is invalid: it must be an int >= 1.")
+        if not 0 <= restart_backoff_s <= max_restart_backoff_s:
+            raise ValueError(
+                f"restart_backoff_s={restart_backoff_s!r}, max_restart_backoff_s="
+                f"{max_restart_backoff_s!r} are invalid: need 0 <= restart_backoff_s <= "
+                "max_restart_backoff_s."
+            )
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.restart_backoff_s = restart_backoff_s
+        self.max_restart_backoff_s = max_restart_backoff_s
+        self.restarts = 0
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}
         self._pending: set[str] = set()  # accepted, no output yet
+        self._in_engine: set[str] = set()  # added to the engine, not seen finished
         self._stop = threading.Event()
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # why the current engine thread ended
+        self._stepped = False  # a step succeeded since the last (re)start
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="shardspeed-engine", daemon=True)
+        self._thread: threading.Thread | None = None  # the current engine thread
+        self._supervisor = threading.Thread(
+            target=self._supervise, name="shardspeed-engine-supervisor", daemon=True
+        )
 
     # ---- asyncio side -------------------------------------------------------------------
 
     def start(self) -> AsyncEngine:
-        """Start the engine thread (idempotent); returns self."""
-        if not self._thread.is_alive() and not self._stop.is_set():
-            self._thread.start()
+        """Start the engine thread and its supervisor (idempotent); returns self."""
+        with self._lock:
+            if not self._supervisor.is_alive() and not self._stop.is_set():
+                self._thread = self._new_thread()
+                self._supervisor.start()
         return self
 
     @property
     def is_healthy(self) -> bool:
-        """True while the engine thread runs and no step has failed."""
-        return self._thread.is_alive() and self._error is None and not self._stop.is_set()
+        """True while an engine thread runs (after a restart too) and has not failed."""
+        thread = self._thread
+        return (
+            thread is not None
+            and thread.is_alive()
+            and self._error is None
+            and not self._stop.is_set()
+        )
+
+    @property
+    def status_detail(self) -> str:
+        """Why the engine cannot serve now ("" when healthy)."""
+        if self.is_healthy:
+            return ""
+        if self._stop.is_set() or self._thread is None:
+            return "engine stopped"
+        return f"engine restarting after: {self._error or 'its thread ended'}"
 
     @property
     def queue_depth(self) -> int:
@@ -145,9 +202,7 @@ class AsyncEngine:
         stream's first read.
         """
         if not self.is_healthy:
-            raise EngineDeadError(
-                f"the inference engine is not running ({self._error or 'stopped'})"
-            )
+            raise EngineDeadError(f"the inference engine is not running ({self.status_detail})")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         stream = RequestStream(request_id, self, loop)
@@ -175,8 +230,40 @@ class AsyncEngine:
         """Stop the engine thread; unfinished requests fail with :class:`EngineDeadError`."""
         self._stop.set()
         self._commands.put(("wake",))
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        current = threading.current_thread()
+        for thread in (self._supervisor, self._thread):
+            if thread is not None and thread.is_alive() and thread is not current:
+                thread.join(timeout)
+
+    # ---- supervisor ---------------------------------------------------------------------
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="shardspeed-engine", daemon=True)
+
+    def _supervise(self) -> None:
+        """Run the engine thread; when it ends before shutdown, start a new one after a backoff."""
+        backoff = self.restart_backoff_s
+        while True:
+            thread = self._thread
+            assert thread is not None
+            thread.start()
+            thread.join()
+            if self._stop.is_set():
+                return
+            backoff = self.restart_backoff_s if self._stepped else backoff
+            logger.error(
+                "the engine thread ended (%s); restarting it in %.1f s",
+                self._error or "no error",
+                backoff,
+            )
+            if self._stop.wait(backoff):
+                return
+            backoff = min(max(2 * backoff, 0.1), self.max_restart_backoff_s)
+            self.restarts += 1
+            self.metrics.record_restart()
+            self._stepped = False
+            self._thread = self._new_thread()
+            self._error = None
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -186,18 +273,18 @@ class AsyncEngine:
                 self._apply_commands(block=not self.engine.has_unfinished())
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # a bug or an OOM: fail every request, stay dead
-                    logger.exception("engine.step() failed; failing all in-flight requests")
-                    self._error = exc
-                    break
+                outputs = self.engine.step()
+                self._stepped = True
                 self._dispatch(outputs)
                 self._refresh_gauges()
+        except BaseException as exc:  # step() or this loop failed: fail all, then restart
+            logger.exception("the engine thread failed; failing all in-flight requests")
+            self._error = exc
         finally:
             self._fail_all(
                 EngineDeadError(f"the inference engine stopped ({self._error or 'shutdown'})")
             )
+            self._abort_engine_requests()
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -225,7 +312,10 @@ class AsyncEngine:
             except Exception as exc:  # bad prompt or params: hand the error to the caller
                 self._forget(request_id)
                 self._deliver(stream.loop, [(stream, exc)])
+                return
+            self._in_engine.add(request_id)
         elif kind == "abort":
+            self._in_engine.discard(cmd[1])
             try:
                 self.engine.abort(cmd[1])  # a no-op for ids the engine no longer has
             except Exception:
@@ -246,16 +336,25 @@ class AsyncEngine:
                 self._pending.discard(out.request_id)
                 if out.finished:
                     self._streams.pop(out.request_id, None)
+            item: Any = out
             if out.finished:
+                self._in_engine.discard(out.request_id)
                 ttft, tpot, latency = request_timings(out)
                 self.metrics.record_finished(
                     out.finish_reason, len(out.prompt_token_ids), ttft, tpot, latency
                 )
+                if out.finish_reason == "error":
+                    item = self._request_error(out.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, out))
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         self.metrics.record_step(num_new)
         for loop, items in by_loop.items():
             self._deliver(loop, items)
+
+    def _request_error(self, request_id: str) -> RequestFailedError:
+        take_error = getattr(self.engine, "take_error", None)
+        error = take_error(request_id) if callable(take_error) else None
+        return error or RequestFailedError(f"request {request_id} failed in the engine")
 
     def _deliver(
         self, loop: asyncio.AbstractEventLoop, items: list[tuple[RequestStream, Any]]
@@ -289,9 +388,14 @@ class AsyncEngine:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
         for stream in streams:
             by_loop.setdefault(stream.loop, []).append((stream, error))
-            try:
-                self.engine.abort(stream.request_id)
-            except Exception:
-                pass
         for loop, items in by_loop.items():
             self._deliver(loop, items)
+
+    def _abort_engine_requests(self) -> None:
+        """Abort everything the engine still holds, so a restarted thread starts clean."""
+        for request_id in list(self._in_engine):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.debug("abort(%s) failed while resetting the engine", request_id)
+        self._in_engine.clear()

@@ -51,7 +51,11 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 def api_error_from(exc: BaseException) -> APIError:
     """The HTTP error for an exception raised while serving a request."""
-    from shardspeed.inference.serving.async_engine import EngineDeadError, QueueFullError
+    from shardspeed.inference.serving.async_engine import (
+        EngineDeadError,
+        QueueFullError,
+        RequestFailedError,
+    )
 
     if isinstance(exc, APIError):
         return exc
@@ -60,7 +64,15 @@ def api_error_from(exc: BaseException) -> APIError:
             429, str(exc), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
         )
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+        return APIError(
+            503,
+            str(exc),
+            type="server_error",
+            code="engine_unavailable",
+            headers={"Retry-After": "1"},
+        )
+    if isinstance(exc, RequestFailedError):  # this request only; the engine serves on
+        return APIError(500, str(exc), type="server_error", code="request_failed")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")

@@ -67,6 +67,7 @@ class ServingMetrics:
         self.prompt_tokens_total = 0
         self.requests_finished: dict[str, int] = {}
         self.requests_rejected_total = 0
+        self.engine_restarts_total = 0
         self.gauges = EngineGauges()
         self._token_events: deque[tuple[float, int]] = deque()
 
@@ -101,6 +102,11 @@ class ServingMetrics:
     def record_rejected(self) -> None:
         with self._lock:
             self.requests_rejected_total += 1
+
+    def record_restart(self) -> None:
+        """Count one restart of a dead engine thread."""
+        with self._lock:
+            self.engine_restarts_total += 1
 
     def set_gauges(self, gauges: EngineGauges) -> None:
         with self._lock:
@@ -186,6 +192,12 @@ class ServingMetrics:
                 "counter",
                 "Requests refused with 429 (queue full).",
                 self.requests_rejected_total,
+            )
+            scalar(
+                "shardspeed_engine_restarts_total",
+                "counter",
+                "Times a dead engine thread was restarted.",
+                self.engine_restarts_total,
             )
             lines.extend(
                 [

@@ -203,6 +203,9 @@ class Pipeline:
                     if out.request_id != request_id:
                         continue
                     finished = out.finished
+                    error = self.engine.take_error(request_id) if finished else None
+                    if error is not None:
+                        raise error
                     delta = deltas.update(out.text, out.finished)
                     if delta:
                         yield delta

@@ -3,19 +3,67 @@
 Only the fields the server honours are typed strictly. Known OpenAI fields the engine
 cannot honour (``n > 1``, ``echo``, ``logprobs``, penalties other than 0) are accepted
 at their neutral values and rejected with a 400 otherwise; unknown fields are ignored
-so that clients sending newer fields keep working.
+so that clients sending newer fields keep working. ``null`` means "the default" for
+every optional field, as in the OpenAI API.
+
+Sampling values are checked against safe ranges here, at the API boundary, with a
+message naming the field, the allowed range and the value received (the sampler
+guards its arithmetic again; see ``fastgen/sampling.py``):
+
+==================== ===================================================
+temperature          [0, 2] (below 1e-5 means greedy)
+top_p                (0, 1]
+top_k                [-1, 2**31 - 1] (0 and -1 switch it off)
+repetition_penalty   [0.01, 10] (1 switches it off)
+seed                 [-2**63, 2**64 - 1] (what torch.Generator takes)
+stop                 up to 4 non-empty strings of at most 1024 characters
+==================== ===================================================
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shardspeed.inference.fastgen.sampling_params import SEED_MAX, SEED_MIN
+
+TOP_K_MAX = 2**31 - 1
+REPETITION_PENALTY_RANGE = (0.01, 10.0)
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 1024
+
+
+def _check_range(value: float, low: float, high: float, low_open: bool = False) -> float:
+    """``value`` if finite and in [low, high] (``(low, high]`` when ``low_open``)."""
+    above_low = value > low if low_open else value >= low
+    if not (math.isfinite(value) and above_low and value <= high):
+        raise ValueError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}]")
+    return value
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drop ``"field": null`` for fields whose default is not None (OpenAI semantics)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if not (
+                v is None
+                and k in fields
+                and not fields[k].is_required()
+                and fields[k].get_default(call_default_factory=True) is not None
+            )
+        }
 
 
 class StreamOptions(_Request):
@@ -27,10 +75,10 @@ class _SamplingFields(_Request):
     ``ignore_eos`` are extensions, as in vLLM)."""
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
     n: int = 1
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -40,6 +88,35 @@ class _SamplingFields(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        return _check_range(v, 0.0, 2.0)
+
+    @field_validator("top_p")
+    @classmethod
+    def _check_top_p(cls, v: float) -> float:
+        return _check_range(v, 0.0, 1.0, low_open=True)
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, v: int) -> int:
+        if not -1 <= v <= TOP_K_MAX:
+            raise ValueError(f"must be in [-1, {TOP_K_MAX}] (0 and -1 switch top-k off)")
+        return max(v, 0)
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _check_repetition_penalty(cls, v: float) -> float:
+        return _check_range(v, *REPETITION_PENALTY_RANGE)
+
+    @field_validator("seed")
+    @classmethod
+    def _check_seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_MIN <= v <= SEED_MAX:
+            raise ValueError(f"must be in [{SEED_MIN}, {SEED_MAX}]")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -55,7 +132,8 @@ class _SamplingFields(_Request):
     def _check_penalty(cls, v: float) -> float:
         if v != 0.0:
             raise ValueError(
-                f"{v} is not supported (only 0); use the repetition_penalty extension instead"
+                f"{v} is not supported: this server allows only 0 (OpenAI's range is [-2, 2]); "
+                "use the repetition_penalty extension instead"
             )
         return v
 
@@ -63,9 +141,10 @@ class _SamplingFields(_Request):
     @classmethod
     def _check_stop(cls, v: str | list[str] | None) -> list[str]:
         stops = [] if v is None else [v] if isinstance(v, str) else list(v)
-        if len(stops) > 4 or any(s == "" for s in stops):
+        if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ValueError(
-                "stop must be a non-empty string or a list of at most 4 non-empty strings"
+                f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} "
+                f"non-empty strings of at most {MAX_STOP_CHARS} characters each"
             )
         return stops
 

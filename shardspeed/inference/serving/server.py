@@ -20,6 +20,12 @@ from typing import Any
 
 from shardspeed.inference.serving.app import ServerSettings, create_app
 from shardspeed.inference.serving.async_engine import AsyncEngine
+from shardspeed.inference.serving.connections import (
+    ACCEPT_BATCH,
+    LISTEN_BACKLOG,
+    ConnectionLimits,
+    guarded_h11_protocol,
+)
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -41,27 +47,58 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _uvicorn_server(config: Any) -> Any:
+    """A uvicorn server that restores the kernel accept queue to LISTEN_BACKLOG after
+    asyncio's ``listen(ACCEPT_BATCH)`` (see :mod:`.connections`)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            for sock in sockets or []:
+                sock.listen(LISTEN_BACKLOG)
+
+    return _Server(config)
+
+
 class ServerThread:
     """The uvicorn server of an ASGI app running in a daemon thread (tests, notebooks).
 
-    ``port=0`` binds a free port; :attr:`port` and :attr:`base_url` tell which.
+    ``port=0`` binds a free port; :attr:`port` and :attr:`base_url` tell which. The
+    socket listens from construction on, so clients that connect before uvicorn starts
+    wait in the backlog instead of being refused. ``limits`` bounds slow and idle
+    clients (see :class:`~.connections.ConnectionLimits`).
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+        limits: ConnectionLimits | None = None,
     ) -> None:
         import uvicorn
 
+        limits = limits or ConnectionLimits()
         self.host = host
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
+        self._sock.listen(LISTEN_BACKLOG)
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(
-            app, log_level=log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+            app,
+            log_level=log_level,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+            http=guarded_h11_protocol(limits),
+            timeout_keep_alive=limits.keep_alive_timeout_s,  # type: ignore[arg-type]
+            backlog=ACCEPT_BATCH,  # asyncio's accepts per wakeup (and a listen() we undo)
         )
-        self._server = uvicorn.Server(config)
+        self._server = _uvicorn_server(config)
         self._thread = threading.Thread(target=self._run, name="shardspeed-http", daemon=True)
         self._error: BaseException | None = None
 
@@ -120,6 +157,7 @@ def build_app(
     model_name: str | None = None,
     chat_template: str | None = None,
     default_chat_max_tokens: int = 128,
+    body_timeout_s: float = 30.0,
     **engine_config: Any,
 ) -> Any:
     """Load the engine and return the ASGI app :func:`serve` runs (arguments as there)."""
@@ -131,6 +169,10 @@ def build_app(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"serve({name}={value!r}) is invalid: it must be an int >= 1.")
+    if not isinstance(body_timeout_s, (int, float)) or not 0 < body_timeout_s < float("inf"):
+        raise ValueError(
+            f"serve(body_timeout_s={body_timeout_s!r}) is invalid: it must be seconds > 0."
+        )
     if isinstance(model_or_path, InferenceEngine):
         if tokenizer is not None or engine_config:
             raise ValueError(
@@ -154,6 +196,7 @@ def build_app(
         max_request_bytes=max_request_bytes,
         default_chat_max_tokens=default_chat_max_tokens,
         chat_template=chat_template,
+        body_timeout_s=float(body_timeout_s),
     )
     return create_app(AsyncEngine(engine, max_queue=max_queue), settings)
 
@@ -171,6 +214,10 @@ def serve(
     chat_template: str | None = None,
     block: bool = True,
     log_level: str = "info",
+    header_timeout_s: float = 10.0,
+    body_timeout_s: float = 30.0,
+    keep_alive_timeout_s: float = 5.0,
+    max_connections: int | None = None,
     **engine_config: Any,
 ) -> ServerThread | None:
     """Serve a model over an OpenAI-compatible HTTP API.
@@ -190,6 +237,12 @@ def serve(
         chat_template: a Jinja chat template overriding the tokenizer's (HF tokenizers).
         block: run in the foreground until interrupted (True) or return a started
             :class:`ServerThread` (False).
+        header_timeout_s: a client must send its request line and headers within this
+            many seconds of connecting (408 and close otherwise).
+        body_timeout_s: ... and then its whole body within this many seconds (408).
+        keep_alive_timeout_s: idle keep-alive connections close after this many seconds.
+        max_connections: open connections at most (None: the open-file limit less 512);
+            beyond it the oldest idle connection is closed to admit a new one.
         engine_config: :class:`EngineConfig` fields (``block_size``, ``scheduler``, ...).
     """
     if api_key is None and not _is_loopback(host):
@@ -198,6 +251,7 @@ def serve(
             "model; pass api_key=... (or --api-key) to require one",
             host,
         )
+    limits = ConnectionLimits(header_timeout_s, keep_alive_timeout_s, max_connections)
     app = build_app(
         model_or_path,
         tokenizer=tokenizer,
@@ -207,9 +261,10 @@ def serve(
         max_request_bytes=max_request_bytes,
         model_name=model_name,
         chat_template=chat_template,
+        body_timeout_s=body_timeout_s,
         **engine_config,
     )
-    server = ServerThread(app, host=host, port=port, log_level=log_level)
+    server = ServerThread(app, host=host, port=port, log_level=log_level, limits=limits)
     if not block:
         return server.start()
     logger.info("serving on %s (OpenAI-compatible API under /v1)", server.base_url)
