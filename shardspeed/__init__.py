@@ -24,6 +24,7 @@ _LAZY_ATTRS = {
     "zero": ("shardspeed.zero", None),
     "checkpointing": ("shardspeed.runtime.activation_checkpointing", None),
     "pipe": ("shardspeed.pipe", None),
+    "moe": ("shardspeed.moe", None),
     "ops": ("shardspeed.ops", None),
     "inference": ("shardspeed.inference", None),
     "profiling": ("shardspeed.profiling", None),

@@ -20,6 +20,13 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.precision.policy import MixedPrecision
 from shardspeed.runtime.config_getters import ConfigGettersMixin
+from shardspeed.runtime.expert_layout import (
+    expert_axis,
+    expert_name,
+    expert_norm_groups,
+    expert_parallel_size,
+    split_expert_groups,
+)
 from shardspeed.runtime.memory import memory_breakdown
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
@@ -62,7 +69,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         super().__init__()
         self._init_state(model, config, topology, mpu)
         cast_module(model, self.device, self.precision.param_dtype)
+        for module in model.modules():  # MoE layers attach to their expert groups
+            attach = getattr(module, "set_deepspeed_parallelism", None)
+            if callable(attach):
+                attach()
         groups = collect_param_groups(model, optimizer, model_parameters)
+        groups = split_expert_groups(groups, isinstance(optimizer, torch.optim.Optimizer))
         numel = sum(full_numel(p) for g in groups for p in g["params"])
         self.offload = self._build_offload(optimizer, numel)
         self.shard_axes = [self._shard_axis(g) for g in groups]
@@ -162,15 +174,20 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
 
     def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
-        """The ranks a param group is sharded and reduced over: the data axis."""
+        """The ranks a param group is sharded and reduced over: the data axis, or the
+        ``expert_data`` axis of its experts (:mod:`shardspeed.runtime.expert_layout`)."""
+        name = expert_name(group["params"])
+        if name is not None:
+            return expert_axis(name)
         topo = self.topology
         return ShardAxis(topo.group("data"), topo.size("data"), topo.rank_in("data"))
 
     def _grad_reduction(self, axis: ShardAxis) -> GradReduction:
-        """The communication seam: an optimizer that reduces by itself gets local grads."""
+        """The communication seam: an optimizer that reduces by itself gets local grads.
+        Every gradient is averaged over all data ranks (expert ones are summed over fewer)."""
         if getattr(self.basic_optimizer, "reduces_gradients", False):
             return LocalGradients()
-        return BucketedReduction(axis.group, axis.size)
+        return BucketedReduction(axis.group, axis.size, average_over=self.dp_world_size)
 
     def _grad_norm(self, replicated: Sequence[nn.Parameter]) -> GradNorm:
         """Sum squared norms over every mesh axis whose ranks hold different gradient
@@ -189,6 +206,14 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                     excluded.append((base + f.master_index, f.local, f.local + f.length))
             base += len(group.masters)
         terms = [NormTerm(excluded, None)] if skip else []
+        base = 0
+        for group in self.flat_groups:  # expert groups: summed over their own axes
+            name = expert_name(group.params)
+            if name is not None:
+                slices = [(base + i, 0, m.numel()) for i, m in enumerate(group.masters)]
+                axes_groups = expert_norm_groups(name, sharded=self.stage >= 1)
+                terms.append(NormTerm(slices, axes_groups + [topo.group("pipe")] * (topo.pp > 1)))
+            base += len(group.masters)
         return GradNorm([topo.group(a) for a in axes], self.device, terms)
 
     def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
@@ -440,6 +465,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """
         from shardspeed.checkpoint.engine_api import save_checkpoint
 
+        self._check_checkpointable("save_checkpoint")
         return save_checkpoint(
             self,
             save_dir,
@@ -449,6 +475,19 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             exclude_frozen_parameters,
             async_save=async_save,
         )
+
+    def _check_checkpointable(self, what: str) -> None:
+        """Refuse expert-parallel models: their ranks hold different experts under the same
+        parameter names, which the name-keyed checkpoint format would merge."""
+        for group in self.flat_groups:
+            name = expert_name(group.params)
+            if name is not None and expert_parallel_size(name) > 1:
+                raise ValueError(
+                    f"engine.{what}(): the model has expert-parallel MoE layers ({name}); "
+                    "checkpoints with ep_size > 1 are not supported yet (each rank's local "
+                    "experts share parameter names). Use ep_size=1 to checkpoint, or save "
+                    "each rank's engine.module.state_dict() yourself."
+                )
 
     def wait_checkpoint(self) -> None:
         """Wait for this rank's asynchronous save to be published; raise if it failed."""
@@ -468,6 +507,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """Load (and reshard to this layout) a checkpoint; returns ``(path, client_state)``."""
         from shardspeed.checkpoint.engine_api import load_checkpoint
 
+        self._check_checkpointable("load_checkpoint")
         return load_checkpoint(
             self,
             load_dir,
@@ -487,6 +527,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """Write the consolidated weights in the training dtype (rank 0 writes)."""
         from shardspeed.checkpoint.engine_api import save_16bit_model
 
+        self._check_checkpointable("save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model

@@ -37,7 +37,7 @@ class Launched:
 class GradReduction(Protocol):
     """Strategy that sums one gradient bucket over the data-parallel ranks."""
 
-    world_size: int
+    average_over: int  # the reducer divides the sum by this (over the pre-divide factor)
 
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched: ...
 
@@ -51,9 +51,11 @@ class BucketedReduction:
     in-place all-reduce from which the rank keeps its slice: same memory, half the time.
     """
 
-    def __init__(self, group: Any, world_size: int) -> None:
+    def __init__(self, group: Any, world_size: int, average_over: int | None = None) -> None:
         self.group = group
         self.world_size = world_size
+        # expert gradients: summed over expert_data, averaged over every data rank
+        self.average_over = world_size if average_over is None else average_over
         self.scatter_via_all_reduce = backend_of(group) == "gloo"
 
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
@@ -71,11 +73,11 @@ class BucketedReduction:
 class LocalGradients:
     """No collective: each rank keeps its own gradients (the optimizer reduces them).
 
-    ``world_size`` is 1 so the reducer's post-division is a no-op: the gradients stay
+    ``average_over`` is 1 so the reducer's post-division is a no-op: the gradients stay
     this rank's own micro-batch average.
     """
 
-    world_size = 1
+    average_over = 1
 
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
         return Launched(buf, None, full=True)

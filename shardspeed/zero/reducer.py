@@ -193,7 +193,7 @@ class GradReducer:
         shard = slot.owned_range()
         if item.launched.full and shard is not None:  # keep only this rank's slice
             out = out[shard[0] : shard[1]]
-        post_factor = self.reductions[slot.group_index].world_size / self.policy.pre_factor
+        post_factor = self.reductions[slot.group_index].average_over / self.policy.pre_factor
         if post_factor != 1.0:
             out.div_(post_factor)
         slot.store(out)

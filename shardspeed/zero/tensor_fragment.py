@@ -71,10 +71,13 @@ class _Source:
     """One layout of a sharding group (a ``FlatGroup``, or one flat of a stage-3
     ``UnitGroup``, see :func:`shardspeed.zero.fragments.param_fragments`)."""
 
-    def __init__(self, group: Any, layout: FlatLayout, rank: int, params: list, base: int):
+    def __init__(
+        self, group: Any, layout: FlatLayout, rank: int, params: list, base: int, axis: Any
+    ):
         self.group, self.layout, self.rank, self.params, self.base = (
             group, layout, rank, params, base,
         )  # fmt: skip
+        self.axis_group = axis.group  # the ranks holding the other fragments
         self.sharded = layout.shard_world_size > 1
 
     def _master_index(self, index: int) -> int:
@@ -104,9 +107,9 @@ class _Link:
 def link_engine(engine: Any) -> None:
     """Point every parameter ``engine`` trains at its flat storage (called by ``initialize``)."""
     ref = weakref.ref(engine)
-    for group in getattr(engine, "flat_groups", None) or []:
+    for group, axis in zip(engine.flat_groups, engine.shard_axes):
         for layout, rank, params, _, base in group.layouts():
-            source = _Source(group, layout, rank, params, base)
+            source = _Source(group, layout, rank, params, base, axis)
             for i, p in enumerate(params):
                 setattr(p, _LINK, _Link(ref, source, i))
 
@@ -150,7 +153,7 @@ class _Handle:
         if self.source.sharded:  # fragments are disjoint: their sum is the whole tensor
             from shardspeed import comm
 
-            comm.all_reduce(out, group=self.engine.dp_group)
+            comm.all_reduce(out, group=self.source.axis_group)
         return out.view(self.shape)
 
     def full_value(self, value: Any) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Which mesh axis each optimizer param group is sharded, reduced and normed over.
+
+Dense parameters live on the engine's ``data`` axis. Expert parameters of an MoE layer
+(``param.allreduce = False``, ``param.group_name = "ep_size_<ep>"``, set by
+:mod:`shardspeed.parallel.moe`) differ across the ``expert`` axis of their ep topology and
+are replicated over its ``expert_data`` axis, so (as in DeepSpeed):
+
+* their gradients are summed over ``expert_data`` and divided by the full data-parallel
+  size (the loss is a mean over every data rank's tokens; each expert saw tokens of its
+  whole expert group);
+* at ZeRO >= 1 they are sharded over ``expert_data``;
+* in the global norm their squares are summed over ``expert_data`` when sharded and over
+  ``expert`` (different experts) always.
+
+Each optimizer param group must be all dense or all experts of one ``group_name``: groups
+that mix them are split here for config-built optimizers (DeepSpeed's
+``split_params_into_different_moe_groups_for_optimizer`` layout), and refused for a client
+optimizer instance, whose groups cannot change under it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardspeed.zero.sharding import ShardAxis
+
+
+def expert_name(params: list[torch.nn.Parameter]) -> str | None:
+    """The expert group name shared by ``params``, None if dense; ValueError if mixed."""
+    names = {getattr(p, "group_name", None) if _is_expert(p) else None for p in params}
+    if len(names) > 1:
+        raise ValueError(
+            "an optimizer param group mixes dense and expert parameters (or experts of "
+            f"different ep sizes: {sorted(str(n) for n in names)}); the engine reduces each "
+            "group over one axis. Build the optimizer's groups with "
+            "shardspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer."
+        )
+    return names.pop() if names else None
+
+
+def split_expert_groups(
+    groups: list[dict[str, Any]], client_optimizer: bool
+) -> list[dict[str, Any]]:
+    """Split groups mixing dense and expert parameters (config / callable optimizers)."""
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        by_name: dict[str | None, list[torch.nn.Parameter]] = {}
+        for p in group["params"]:
+            by_name.setdefault(
+                getattr(p, "group_name", None) if _is_expert(p) else None, []
+            ).append(p)
+        if len(by_name) <= 1:
+            out.append(group)
+            continue
+        if client_optimizer:
+            expert_name(group["params"])  # raises with the fix
+        for name, params in by_name.items():
+            extra = {} if name is None else {"moe": True, "name": name}
+            out.append({**group, **extra, "params": params})
+    return out
+
+
+def expert_axis(name: str) -> ShardAxis:
+    """The ``expert_data`` axis of the ep topology named ``name`` (``"ep_size_<ep>"``)."""
+    topo = _topology(name)
+    return ShardAxis(
+        topo.group("expert_data"), topo.size("expert_data"), topo.rank_in("expert_data")
+    )
+
+
+def expert_norm_groups(name: str, sharded: bool) -> list[Any]:
+    """Groups to sum an expert group's squared gradient norm over."""
+    topo = _topology(name)
+    return [topo.group("expert_data"), topo.group("expert")] if sharded else [topo.group("expert")]
+
+
+def expert_parallel_size(name: str) -> int:
+    from shardspeed.parallel.moe.groups import ep_size_of
+
+    return ep_size_of(name)
+
+
+def _topology(name: str) -> Any:
+    from shardspeed.parallel.moe.groups import ep_size_of, topology_for
+
+    return topology_for(ep_size_of(name))
+
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "allreduce") and not param.allreduce
