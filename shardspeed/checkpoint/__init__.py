@@ -17,9 +17,11 @@ from shardspeed.checkpoint.engine_api import (
     save_checkpoint,
     wait_checkpoint,
 )
+from shardspeed.checkpoint.integrity import CheckpointIntegrityError
 
 __all__ = [
     "CheckpointError",
+    "CheckpointIntegrityError",
     "convert_to_fp32_files",
     "get_fp32_state_dict_from_checkpoint",
     "iter_fp32_state_dict",

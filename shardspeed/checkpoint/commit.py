@@ -31,11 +31,12 @@ from shardspeed.checkpoint.format import (
     MANIFEST,
     TMP_MARKER,
     build_index,
+    parse_json,
     rank_stem,
-    read_json,
     split_client_state,
     write_json,
 )
+from shardspeed.checkpoint.integrity import CHECKSUMS, RANK_FILE_SHA, seal, sha256_hex
 from shardspeed.checkpoint.safetensors_io import write_safetensors
 from shardspeed.checkpoint.shards import FragmentWriter, collect_fragments, tied_aliases
 from shardspeed.checkpoint.state import capture_engine_state, capture_rng_state
@@ -140,7 +141,7 @@ def write_rank_files(snap: RankSnapshot) -> None:
     """Write this rank's safetensors file (fsynced unless the config says not to) and JSON
     into the tag's temp directory."""
     path = snap.tmp / snap.meta["file"]
-    write_safetensors(snap.tensors, path, fsync=snap.fsync)
+    snap.meta[RANK_FILE_SHA] = write_safetensors(snap.tensors, path, fsync=snap.fsync)
     write_json(snap.tmp / f"{rank_stem(snap.rank)}.json", snap.meta)
     faulty = _fault_ranks()
     if faulty is not None and (not faulty or snap.rank in faulty):
@@ -192,9 +193,23 @@ def _error(
     return err
 
 
+def read_rank_metas(tmp: Path, world_size: int) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every rank's JSON, and ``{file name: sha256}`` of each rank's two files: the JSON's
+    from the bytes read here, the safetensors file's as its rank recorded it."""
+    metas, checksums = [], {}
+    for r in range(world_size):
+        path = tmp / f"{rank_stem(r)}.json"
+        data = path.read_bytes()
+        meta = parse_json(data, path)
+        checksums[path.name] = sha256_hex(data)
+        checksums[meta["file"]] = meta[RANK_FILE_SHA]
+        metas.append(meta)
+    return metas, checksums
+
+
 def finalise(snap: RankSnapshot) -> None:
     """Rank 0, after every rank wrote: manifest, rename ``<tag>.tmp-*`` -> ``<tag>``, latest."""
-    metas = [read_json(snap.tmp / f"{rank_stem(r)}.json") for r in range(snap.world_size)]
+    metas, checksums = read_rank_metas(snap.tmp, snap.world_size)
     param_order: dict[str, None] = {}  # ordered union over ranks (pipeline stages)
     aliases: dict[str, str] = {}
     for meta in metas:
@@ -210,8 +225,9 @@ def finalise(snap: RankSnapshot) -> None:
         "tied_aliases": aliases,
         "param_order": list(param_order),
         "index": build_index(metas),
+        CHECKSUMS: checksums,
     }
-    write_json(snap.tmp / MANIFEST, manifest)
+    write_json(snap.tmp / MANIFEST, seal(manifest))
     old = None
     if snap.final.exists():  # re-saving a tag: swap, then delete the old copy
         old = snap.save_dir / f"{snap.tag}{TMP_MARKER}old-{uuid.uuid4().hex[:8]}"

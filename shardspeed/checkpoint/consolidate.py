@@ -22,6 +22,7 @@ from shardspeed.checkpoint.format import (
     load_manifest,
     resolve_tag,
 )
+from shardspeed.checkpoint.integrity import verify_tag
 from shardspeed.checkpoint.safetensors_io import write_safetensors
 from shardspeed.checkpoint.shards import SliceReader
 from shardspeed.utils.io import atomic_write_text
@@ -57,15 +58,21 @@ def _tag_dir(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path:
 
 
 def iter_fp32_state_dict(
-    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    verify_checksums: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` in the model's state-dict order, assembling one at a time.
 
     Floating tensors come out in fp32 (trainable parameters from their fp32 masters);
-    tied aliases yield the same tensor under each name.
+    tied aliases yield the same tensor under each name. With ``verify_checksums`` every
+    rank file's sha256 is checked against the manifest before the first tensor is read.
     """
     tag_dir = _tag_dir(checkpoint_dir, tag)
     manifest = load_manifest(tag_dir)
+    if verify_checksums:
+        verify_tag(tag_dir, manifest)
     index = manifest["index"]
     aliases = manifest.get("tied_aliases", {})
     cache: dict[str, torch.Tensor] = {}  # canonical tensors still needed by a later alias
@@ -94,10 +101,16 @@ def iter_fp32_state_dict(
 
 
 def get_fp32_state_dict_from_checkpoint(
-    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+    checkpoint_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    verify_checksums: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint (loads with ``model.load_state_dict``)."""
-    state = dict(iter_fp32_state_dict(checkpoint_dir, tag))
+    """The full fp32 state dict of a checkpoint (loads with ``model.load_state_dict``).
+
+    ``verify_checksums=False`` skips the sha256 check of the rank files (faster, trusted
+    storage only)."""
+    state = dict(iter_fp32_state_dict(checkpoint_dir, tag, verify_checksums=verify_checksums))
     if not state:
         raise ValueError(
             f"checkpoint {str(checkpoint_dir)!r} (tag {tag!r}) yielded no tensors; refusing to "
@@ -113,11 +126,13 @@ def convert_to_fp32_files(
     tag: str | None = None,
     safetensors: bool = True,
     max_shard_size: str | int = "5GB",
+    verify_checksums: bool = True,
 ) -> list[Path]:
     """Stream the fp32 weights into shards of at most ``max_shard_size`` (+ HF index json).
 
     One shard is written as ``model.safetensors`` / ``pytorch_model.bin``; several as
-    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``.
+    ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``. The rank
+    files' checksums are verified first unless ``verify_checksums`` is False.
     """
     limit = parse_size(max_shard_size)
     out = Path(output_dir)
@@ -139,7 +154,9 @@ def convert_to_fp32_files(
         shards.append((path, list(current)))
         current, size = {}, 0
 
-    for name, tensor in iter_fp32_state_dict(checkpoint_dir, tag):
+    for name, tensor in iter_fp32_state_dict(
+        checkpoint_dir, tag, verify_checksums=verify_checksums
+    ):
         nbytes = tensor.numel() * tensor.element_size()
         if current and size + nbytes > limit:
             flush()

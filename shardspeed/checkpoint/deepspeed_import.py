@@ -17,12 +17,16 @@ stage-0 ShardSpeed engine; :func:`shardspeed.checkpoint.load_checkpoint` then re
 onto any world size and stage.
 
 DeepSpeed's ``.pt`` files are pickles holding non-tensor objects, so this module (and only
-this module: the normal load path never unpickles) loads them with
-``torch.load(weights_only=False)``. Only import checkpoints you trust.
+this module: the normal load path never unpickles) unpickles them, through an unpickler
+that resolves only an allow-list of globals: torch's tensor rebuild functions, dtypes and
+``Size``, builtin containers, ``OrderedDict``, ``argparse.Namespace`` and DeepSpeed's own
+data classes by qualified name (as inert stand-ins; DeepSpeed is never imported). Any
+other global (``os.system``, ``builtins.eval``, ...) is refused with its name.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import os
 import pickle
 import re
@@ -34,6 +38,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.commit import read_rank_metas
 from shardspeed.checkpoint.format import (
     FORMAT_VERSION,
     KIND_BUFFER,
@@ -48,6 +53,14 @@ from shardspeed.checkpoint.format import (
     split_client_state,
     write_json,
 )
+from shardspeed.checkpoint.integrity import (
+    CHECKSUMS,
+    RANK_FILE_SHA,
+    inside,
+    read_tag_file,
+    seal,
+)
+from shardspeed.checkpoint.safetensors_io import write_safetensors
 from shardspeed.checkpoint.shards import FragmentWriter
 from shardspeed.checkpoint.state import capture_rng_state
 from shardspeed.utils.io import atomic_write_text
@@ -85,7 +98,7 @@ _DS_KEYS = frozenset(
 
 
 class _DeepSpeedObject:
-    """Stand-in for a DeepSpeed class when DeepSpeed is not installed (keeps args and attrs)."""
+    """Stand-in for a DeepSpeed class: plain data (constructor args and attributes), no code."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.args = args
@@ -99,26 +112,119 @@ class _DeepSpeedObject:
         return int(self.args[0])
 
 
+# The globals a DeepSpeed 0.19 checkpoint pickles (torch.save, protocol 2), by qualified
+# name. Storages never reach find_class: torch.load resolves them by name itself.
+_TORCH_REBUILDERS = frozenset(
+    f"torch._utils.{name}"
+    for name in (
+        "_rebuild_tensor",
+        "_rebuild_tensor_v2",
+        "_rebuild_tensor_v3",
+        "_rebuild_parameter",
+        "_rebuild_parameter_with_state",
+        "_rebuild_sparse_tensor",
+        "_rebuild_meta_tensor_no_storage",
+        "_rebuild_nested_tensor",
+        "_rebuild_device_tensor_from_cpu_tensor",
+    )
+) | {"torch._tensor._rebuild_from_type", "torch._tensor._rebuild_from_type_v2"}
+_PLAIN_TYPES = frozenset(
+    {
+        "torch.Tensor",
+        "torch.Size",
+        "torch.device",
+        "torch.nn.parameter.Parameter",
+        "collections.OrderedDict",
+        "argparse.Namespace",
+        "_codecs.encode",  # how protocol 2 stores bytes
+        *(f"builtins.{n}" for n in ("set", "frozenset", "list", "dict", "tuple", "slice")),
+        *(f"builtins.{n}" for n in ("int", "float", "complex", "bool", "str", "bytes")),
+        "builtins.bytearray",
+        "numpy.dtype",
+        "numpy.core.multiarray.scalar",
+        "numpy._core.multiarray.scalar",
+    }
+)
+DEEPSPEED_DATA_CLASSES = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
+"""DeepSpeed classes a checkpoint may hold; each becomes a plain-data stand-in (DeepSpeed's
+code is never imported or run)."""
+
+
+def _torch_constant(module: str, name: str) -> bool:
+    """``torch.float32``, ``torch.strided``, ``torch.contiguous_format``, ``torch.per_tensor_affine``."""
+    value = getattr(torch, name, None) if module == "torch" else None
+    kinds = (torch.dtype, torch.layout, torch.memory_format, torch.qscheme)
+    return isinstance(value, kinds)
+
+
+class RefusedGlobalError(pickle.UnpicklingError):
+    """A pickle names a global outside the allow-list of what DeepSpeed checkpoints hold."""
+
+
 class _Unpickler(pickle.Unpickler):
+    """Resolves only the globals of :data:`_TORCH_REBUILDERS`, :data:`_PLAIN_TYPES`, torch
+    dtypes/layouts and :data:`DEEPSPEED_DATA_CLASSES` (as stand-ins); refuses the rest."""
+
+    _stand_ins: dict[str, type] = {}
+
     def find_class(self, module: str, name: str) -> Any:
-        try:
+        module, name = _python3_name(module, name)
+        qualified = f"{module}.{name}"
+        if qualified in DEEPSPEED_DATA_CLASSES:
+            found = self._stand_ins.get(qualified)
+            if found is None:
+                found = type(name, (_DeepSpeedObject,), {"__module__": module})
+                self._stand_ins[qualified] = found
+            return found
+        if qualified in _TORCH_REBUILDERS or qualified in _PLAIN_TYPES:
             return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            if module.split(".")[0] != "deepspeed":
-                raise
-            return type(name, (_DeepSpeedObject,), {})
+        if _torch_constant(module, name):
+            return getattr(torch, name)
+        raise RefusedGlobalError(
+            f"the pickle names {qualified!r}, which is not a type DeepSpeed checkpoints hold "
+            "(tensors, storages, builtin containers, OrderedDict, argparse.Namespace, "
+            f"DeepSpeed's {sorted(c.rsplit('.', 1)[1] for c in DEEPSPEED_DATA_CLASSES)}); "
+            "refusing to unpickle it, as it could run code"
+        )
 
 
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="pickle")
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """Protocol-2 pickles use Python 2 names (``__builtin__.set``): map them as pickle does."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+def _restricted_load(file: Any, **kwargs: Any) -> Any:
+    return _Unpickler(file, **kwargs).load()
+
+
+# torch.load reads the legacy format's magic number with ``pickle_module.load``: restricted too
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_restricted_load, __name__="pickle")
 
 
 def _load_trusted(path: Path) -> Any:
-    """Unpickle one DeepSpeed file (trusted input only; see the module docstring).
+    """Unpickle one DeepSpeed file through the allow-list unpickler.
 
-    DeepSpeed need not be installed: its classes (ZeroStageEnum, loss scalers, fragment
-    addresses) become attribute bags.
+    DeepSpeed need not be installed and is never imported: its classes (ZeroStageEnum, loss
+    scalers, fragment addresses) become attribute bags. Any other global is refused with
+    its name.
     """
-    return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    except RefusedGlobalError as err:
+        raise ValueError(
+            f"{str(path)!r}: {err}. Only import DeepSpeed checkpoints; if this one is genuine "
+            "and holds another DeepSpeed class, report it."
+        ) from None
 
 
 def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:
@@ -129,8 +235,8 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:
                 f"DeepSpeed checkpoint dir {str(ds_dir)!r} has no 'latest' file; pass the tag "
                 "explicitly (e.g. --tag global_step100)."
             )
-        tag = latest.read_text(encoding="utf-8").strip()
-    if _model_states_file(ds_dir / tag) is None:
+        tag = read_tag_file(latest)
+    if _model_states_file(inside(ds_dir, tag, "DeepSpeed tag")) is None:
         tags = sorted(d.name for d in ds_dir.iterdir() if _model_states_file(d) is not None)
         raise ValueError(
             f"tag {tag!r} under {str(ds_dir)!r} has neither {MODEL_STATES} nor "
@@ -143,7 +249,7 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:
 def _model_states_file(tag_dir: Path) -> Path | None:
     for name in (MODEL_STATES, MODEL_STATES_Z3):
         if (tag_dir / name).is_file():
-            return tag_dir / name
+            return inside(tag_dir, name, "DeepSpeed model states file")
     return None
 
 
@@ -152,7 +258,7 @@ def _optim_files(tag_dir: Path) -> list[Path]:
     for f in tag_dir.iterdir():
         m = _OPTIM_RE.match(f.name)
         if m:
-            found[int(m.group(1))] = f
+            found[int(m.group(1))] = inside(tag_dir, f.name, "DeepSpeed optimizer file")
     if not found or sorted(found) != list(range(len(found))):
         raise ValueError(
             f"{str(tag_dir)!r} holds ZeRO optimizer files for ranks {sorted(found)}; expected "
@@ -260,17 +366,15 @@ def import_deepspeed_checkpoint(
     """Convert DeepSpeed ZeRO-1/2/3 checkpoint ``ds_dir`` (tag ``tag``, default its ``latest``)
     into a ShardSpeed checkpoint ``<out_dir>/<out_tag>/`` (default: the same tag name).
 
-    Unpickles the DeepSpeed ``.pt`` files with ``torch.load(weights_only=False)``: use it
-    only on checkpoints you trust. Returns the written tag directory. The result is a
+    Unpickles the DeepSpeed ``.pt`` files through the allow-list unpickler (see the module
+    docstring); a file naming any other global raises ``ValueError`` naming it. Returns the written tag directory. The result is a
     world-size-1 stage-0 checkpoint that ``load_checkpoint`` reshards onto any layout.
     RNG states are not in DeepSpeed checkpoints; the converting process's are stored.
     """
     ds_dir, out_dir = Path(ds_dir), Path(out_dir)
     tag = _resolve_ds_tag(ds_dir, tag)
     tag_dir = ds_dir / tag
-    logger.info(
-        f"unpickling trusted DeepSpeed checkpoint {tag_dir} (torch.load weights_only=False)"
-    )
+    logger.info(f"unpickling DeepSpeed checkpoint {tag_dir} (allow-listed globals only)")
     model = _load_trusted(_model_states_file(tag_dir))
     rank_opts = [_load_trusted(f)["optimizer_state_dict"] for f in _optim_files(tag_dir)]
     stage = int(rank_opts[0].get("zero_stage", 0))
@@ -325,6 +429,7 @@ def import_deepspeed_checkpoint(
             writer.add(name, KIND_BUFFER, list(module[name].shape), 0, module[name])
 
     out_tag = out_tag or tag
+    inside(out_dir, out_tag, "output tag")  # written under out_dir, never beside it
     base = rank_opts[0][base_key]
     groups = base.get("param_groups", []) if isinstance(base, dict) else []
     config = model.get("ds_config") or {}
@@ -365,12 +470,11 @@ def import_deepspeed_checkpoint(
 
 def _write(out_dir: Path, tag: str, meta: dict[str, Any], tensors: dict[str, Any]) -> Path:
     """Write the tag atomically (tmp dir, manifest last, rename, then ``latest``)."""
-    from safetensors.torch import save_file
-
     tmp = out_dir / f"{tag}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / meta["file"]))
+    meta[RANK_FILE_SHA] = write_safetensors(tensors, tmp / meta["file"])
     write_json(tmp / f"{rank_stem(0)}.json", meta)
+    _, checksums = read_rank_metas(tmp, 1)
     manifest = {
         "format_version": FORMAT_VERSION,
         "tag": tag,
@@ -383,8 +487,9 @@ def _write(out_dir: Path, tag: str, meta: dict[str, Any], tensors: dict[str, Any
         "tied_aliases": meta["tied_aliases"],
         "param_order": meta["param_order"],
         "index": build_index([meta]),
+        CHECKSUMS: checksums,
     }
-    write_json(tmp / MANIFEST, manifest)
+    write_json(tmp / MANIFEST, seal(manifest))
     final = out_dir / tag
     if final.exists():
         shutil.rmtree(final)

@@ -36,11 +36,15 @@ from shardspeed.checkpoint.format import (
     read_json,
     resolve_tag,
 )
+from shardspeed.checkpoint.integrity import verify_tag_distributed
 from shardspeed.checkpoint.shards import SliceReader, load_fragments, trainable_ids
 from shardspeed.checkpoint.state import restore_engine_state, restore_rng_state
 from shardspeed.utils.logging import get_logger, log_dist
 
 logger = get_logger(__name__)
+
+# "0" makes load_checkpoint (and engine.load_checkpoint) skip the checksum verification
+VERIFY_ENV = "SHARDSPEED_CKPT_VERIFY"
 
 __all__ = ["FAULT_ENV", "load_checkpoint", "save_16bit_model", "save_checkpoint", "wait_checkpoint"]
 
@@ -86,6 +90,11 @@ def _swaps_to_nvme(engine: Any) -> bool:
 def _fsync_default(engine: Any) -> bool:
     cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
     return bool(cfg is None or cfg.fsync)
+
+
+def _verify_default() -> bool:
+    """``SHARDSPEED_CKPT_VERIFY=0`` skips checksum verification in ``engine.load_checkpoint``."""
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _async_default(engine: Any) -> bool:
@@ -173,11 +182,15 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    *,
+    verify_checksums: bool | None = None,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size / ZeRO stage 0-3 / pipeline layout into ``engine``.
 
     Returns ``(path, client_state)``, or ``(None, None)`` (with a warning) when
-    ``load_dir`` holds no finished checkpoint.
+    ``load_dir`` holds no finished checkpoint. Every rank file's sha256 is verified first
+    (the ranks share the work) unless ``verify_checksums`` is False (default: True, or
+    False when the environment sets ``SHARDSPEED_CKPT_VERIFY=0``).
     """
     wait_pending(engine, raise_error=False)  # the save may target load_dir; log a failure
     load_dir = Path(load_dir)
@@ -188,6 +201,9 @@ def load_checkpoint(
     tag_dir = load_dir / tag
     manifest = load_manifest(tag_dir)
     rank = _rank()
+    if _verify_default() if verify_checksums is None else verify_checksums:
+        group = save_coordinator(engine).group
+        verify_tag_distributed(tag_dir, manifest, rank=rank, world_size=_world(), group=group)
     same_topology = manifest["world_size"] == _world()
     own = read_json(tag_dir / f"{rank_stem(rank if same_topology else 0)}.json")
     reader = SliceReader(tag_dir)

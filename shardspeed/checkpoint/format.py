@@ -15,6 +15,13 @@ from typing import Any
 
 import torch
 
+from shardspeed.checkpoint.integrity import (
+    CheckpointIntegrityError,
+    check_file_names,
+    check_seal,
+    inside,
+    read_tag_file,
+)
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -59,8 +66,18 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return parse_json(path.read_bytes(), path)
+
+
+def parse_json(data: bytes, path: Path) -> Any:
+    """``data`` (the bytes of ``path``) as JSON; a clear error when it is not."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointIntegrityError(
+            f"{str(path)!r} is not valid JSON ({err}); the file is corrupt or truncated. "
+            "Restore it from a copy or load another tag."
+        ) from None
 
 
 def is_complete(tag_dir: Path) -> bool:
@@ -85,7 +102,7 @@ def resolve_tag(ckpt_dir: str | Path, tag: str | None) -> str | None:
     """
     ckpt_dir = Path(ckpt_dir)
     if tag is not None:
-        if not is_complete(ckpt_dir / str(tag)):
+        if not is_complete(inside(ckpt_dir, str(tag), "checkpoint tag")):
             raise ValueError(
                 f"checkpoint tag {tag!r} under {str(ckpt_dir)!r} is missing or incomplete (no "
                 f"{MANIFEST}); finished tags there: {complete_tags(ckpt_dir)}. Pass one of them "
@@ -94,8 +111,8 @@ def resolve_tag(ckpt_dir: str | Path, tag: str | None) -> str | None:
         return str(tag)
     latest = ckpt_dir / LATEST
     if latest.is_file():
-        name = latest.read_text(encoding="utf-8").strip()
-        if is_complete(ckpt_dir / name):
+        name = read_tag_file(latest)
+        if name and is_complete(inside(ckpt_dir, name, f"tag named by {str(latest)!r}")):
             return name
         logger.warning(
             f"{latest} names {name!r}, which is incomplete; using the newest finished tag"
@@ -105,13 +122,23 @@ def resolve_tag(ckpt_dir: str | Path, tag: str | None) -> str | None:
 
 
 def load_manifest(tag_dir: Path) -> dict[str, Any]:
-    manifest = read_json(tag_dir / MANIFEST)
+    """The tag's manifest, checked: its version, its own checksum (an old manifest without
+    checksums loads with a warning) and that every file it names lies inside ``tag_dir``."""
+    path = inside(tag_dir, MANIFEST, "manifest")
+    manifest = read_json(path)
+    if not isinstance(manifest, dict):
+        raise CheckpointIntegrityError(
+            f"{str(path)!r} holds a {type(manifest).__name__}, not a JSON object; the manifest "
+            "is corrupt. Restore it from a copy or load another tag."
+        )
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise ValueError(
             f"{tag_dir / MANIFEST} has format_version={version!r}; this ShardSpeed reads "
             f"version {FORMAT_VERSION}. Convert it with a matching ShardSpeed release."
         )
+    check_seal(manifest, path)
+    check_file_names(tag_dir, manifest)
     return manifest
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,13 +29,16 @@ def write_safetensors(
     metadata: dict[str, str] | None = None,
     *,
     fsync: bool = True,
-) -> None:
+) -> str:
     """Write a safetensors file tensor by tensor, without serialising it into memory first.
 
     ``safetensors.torch.save_file`` builds a byte copy of every tensor before writing, which
     doubles the peak memory of a shard and costs a copy; here each tensor's bytes go
     straight to the file. The result is a standard safetensors file (``safetensors`` reads
     it). With ``fsync`` the data is on disk when this returns.
+
+    Returns the sha256 (hex) of every byte written, header included, hashed while streaming
+    so the file is never read back.
     """
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -53,13 +57,18 @@ def write_safetensors(
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+        for chunk in (len(blob).to_bytes(8, "little"), blob):
+            f.write(chunk)
+            digest.update(chunk)
         for tensor in tensors.values():
             if tensor.numel():
                 flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(flat.numpy()))
+                data = memoryview(flat.numpy())
+                f.write(data)
+                digest.update(data)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+    return digest.hexdigest()

@@ -28,6 +28,7 @@ from shardspeed.checkpoint.format import (
     overlapping,
     tensor_key,
 )
+from shardspeed.checkpoint.integrity import inside, unreadable_file
 from shardspeed.zero.fragments import MasterFragment, param_fragments
 
 
@@ -207,7 +208,11 @@ class SliceReader:
 
         handle = self._handles.get(file)
         if handle is None:
-            handle = safe_open(str(self.tag_dir / file), framework="pt", device="cpu")
+            path = inside(self.tag_dir, file, "checkpoint file")
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as err:  # SafetensorError, OSError: name the file, no traceback
+                raise unreadable_file(path, err) from None
             self._handles[file] = handle
         return handle.get_slice(key)[lo:hi]
 

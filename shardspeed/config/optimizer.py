@@ -2,8 +2,9 @@
 
 ``optimizer.params`` and ``scheduler.params`` go to the constructors verbatim, so they stay
 dicts; this module checks what can be checked up front: the type names (case-insensitive,
-normalised to their canonical spelling), scheduler parameter names, required parameters, and
-the keys DeepSpeed rejects (``max_grad_norm``). ``"auto"`` entries in ``params`` are dropped so
+normalised to their canonical spelling), scheduler parameter names, required parameters,
+the keys DeepSpeed rejects (``max_grad_norm``), and the ranges every optimizer assumes
+(``betas`` two numbers in [0, 1), ``eps`` > 0, ``lr`` and ``weight_decay`` >= 0). ``"auto"`` entries in ``params`` are dropped so
 the constructor default applies; a required parameter left at ``"auto"`` is an error that says
 the caller (e.g. the Hugging Face Trainer) must fill it in.
 """
@@ -11,6 +12,8 @@ the caller (e.g. the Hugging Face Trainer) must fill it in.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import Any
 
 from pydantic import Field
@@ -109,7 +112,15 @@ def _lower(names: tuple[str, ...]) -> set[str]:
 
 def _canonical(name: Any, allowed: tuple[str, ...], what: str, key: str = "type") -> str:
     if not isinstance(name, str) or not name.strip():
-        raise ConfigError.at(key, explain(f"{what} must be a non-empty string", name))
+        raise ConfigError.at(
+            key,
+            explain(
+                f"{what} must be a non-empty string",
+                name,
+                allowed=", ".join(allowed),
+                fix="use one of the allowed names",
+            ),
+        )
     by_lower = {n.lower(): n for n in allowed}
     found = by_lower.get(name.strip().lower())
     if found is None:
@@ -173,8 +184,51 @@ class OptimizerConfig(ConfigModel):
                     "and remove it from optimizer.params",
                 ),
             )
+        _check_optimizer_params(params)
         data["params"] = params
         return data
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+# (name, lower bound, bound is inclusive, allowed text, example fix) for scalar params
+_SCALAR_PARAMS = (
+    ("lr", 0.0, True, "a number >= 0", 'use e.g. "lr": 1e-3'),
+    ("eps", 0.0, False, "a number > 0", 'use e.g. "eps": 1e-8'),
+    ("weight_decay", 0.0, True, "a number >= 0", 'use e.g. "weight_decay": 0.01 (0 to disable)'),
+)
+_JSON_TYPES = (bool, str, list, tuple, dict, type(None))  # values that cannot be a number
+
+
+def _check_optimizer_params(params: dict[str, Any]) -> None:
+    """Ranges DeepSpeed's and torch's optimizers assume: ``betas`` two numbers in [0, 1),
+    ``eps`` > 0, ``lr`` and ``weight_decay`` >= 0. Other objects (a tensor ``lr`` passed
+    from Python) are left to the optimizer's constructor."""
+    for key, low, inclusive, allowed, fix in _SCALAR_PARAMS:
+        if key not in params:
+            continue
+        value = params[key]
+        if _is_number(value):
+            ok = value >= low if inclusive else value > low
+        else:
+            ok = not isinstance(value, _JSON_TYPES)
+        if not ok or (_is_number(value) and not math.isfinite(value)):
+            problem = "is out of range" if _is_number(value) else "must be a number"
+            raise ConfigError.at(f"params.{key}", explain(problem, value, allowed=allowed, fix=fix))
+    if "betas" in params:
+        betas = params["betas"]
+        pair = isinstance(betas, (list, tuple)) and len(betas) == 2
+        if not (pair and all(_is_number(b) and 0.0 <= b < 1.0 for b in betas)):
+            raise ConfigError.at(
+                "params.betas",
+                explain(
+                    "must be a list of two numbers in [0, 1)",
+                    betas,
+                    fix='use two decay rates (first and second moment), e.g. "betas": [0.9, 0.999]',
+                ),
+            )
 
 
 class SchedulerConfig(ConfigModel):
@@ -232,7 +286,12 @@ class SchedulerConfig(ConfigModel):
         if "warmup_type" in params and params["warmup_type"] not in ("log", "linear"):
             raise ConfigError.at(
                 "params.warmup_type",
-                explain("unknown warmup type", params["warmup_type"], allowed='"log" or "linear"'),
+                explain(
+                    "unknown warmup type",
+                    params["warmup_type"],
+                    allowed='"log" or "linear"',
+                    fix='use "linear" or "log" (a cosine decay is the WarmupCosineLR type)',
+                ),
             )
         data["params"] = params
         return data

@@ -18,6 +18,12 @@ def _parser() -> argparse.ArgumentParser:
         "--safetensors", action="store_true", help="write .safetensors (default: torch .bin)"
     )
     fp32.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB")
+    fp32.add_argument(
+        "--no-verify-checksums",
+        dest="verify_checksums",
+        action="store_false",
+        help="skip the sha256 check of the rank files against the manifest (faster)",
+    )
     ds = sub.add_parser(
         "from-deepspeed",
         help="convert a trusted DeepSpeed ZeRO-1/2/3 checkpoint (unpickles it) to ShardSpeed's",
@@ -29,41 +35,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _from_deepspeed(args: argparse.Namespace) -> int:
+def _fail(err: BaseException) -> int:
+    """One line on stderr naming the reason; 2 for a bad input, 1 for anything else."""
+    reason = " ".join(str(err).split()) or type(err).__name__
+    if not isinstance(err, ValueError):
+        reason = f"{type(err).__name__}: {reason}"
+    sys.stderr.write(f"shardspeed checkpoint: error: {reason}\n")
+    return 2 if isinstance(err, ValueError) else 1
+
+
+def _from_deepspeed(args: argparse.Namespace) -> list[str]:
     from shardspeed.checkpoint.deepspeed_import import import_deepspeed_checkpoint
 
-    try:
-        path = import_deepspeed_checkpoint(
-            args.ds_checkpoint_dir, args.output_dir, tag=args.tag, out_tag=args.out_tag
-        )
-    except ValueError as err:
-        sys.stderr.write(f"shardspeed checkpoint: error: {err}\n")
-        return 2
-    sys.stdout.write(f"{path}\n")
-    return 0
+    path = import_deepspeed_checkpoint(
+        args.ds_checkpoint_dir, args.output_dir, tag=args.tag, out_tag=args.out_tag
+    )
+    return [str(path)]
+
+
+def _to_fp32(args: argparse.Namespace) -> list[str]:
+    from shardspeed.checkpoint.consolidate import convert_to_fp32_files
+
+    files = convert_to_fp32_files(
+        args.checkpoint_dir,
+        args.output_dir,
+        tag=args.tag,
+        safetensors=args.safetensors,
+        max_shard_size=args.max_shard_size,
+        verify_checksums=args.verify_checksums,
+    )
+    return [str(f) for f in files]
 
 
 def main(argv: list[str]) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status. Every failure is one line on stderr."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else 2
-    if args.action == "from-deepspeed":
-        return _from_deepspeed(args)
-    from shardspeed.checkpoint.consolidate import convert_to_fp32_files
-
+    action = _from_deepspeed if args.action == "from-deepspeed" else _to_fp32
     try:
-        files = convert_to_fp32_files(
-            args.checkpoint_dir,
-            args.output_dir,
-            tag=args.tag,
-            safetensors=args.safetensors,
-            max_shard_size=args.max_shard_size,
-        )
-    except ValueError as err:
-        sys.stderr.write(f"shardspeed checkpoint: error: {err}\n")
-        return 2
-    for f in files:
-        sys.stdout.write(f"{f}\n")
+        outputs = action(args)
+    except Exception as err:  # any failure: a reason, never a traceback
+        return _fail(err)
+    for path in outputs:
+        sys.stdout.write(f"{path}\n")
     return 0
