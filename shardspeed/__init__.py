@@ -32,6 +32,7 @@ _LAZY_ATTRS = {
     "utils": ("shardspeed.utils", None),
     "config": ("shardspeed.config", None),
     "Topology": ("shardspeed.topology", "Topology"),
+    "tp_model_init": ("shardspeed.parallel.tensor.autotp", "tp_model_init"),
 }
 
 __all__ = ["__version__", *_LAZY_ATTRS]
