@@ -254,6 +254,8 @@ def save_16bit_model(
             )
             return False
         full = engine.state_dict()  # collective: gathers every sharded parameter
+    elif engine.topology.size("tensor") > 1:
+        full = engine.state_dict()  # collective: tensor-parallel shards gathered, own names
     if _rank() == 0:
         trainable = trainable_ids(engine)
         frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}

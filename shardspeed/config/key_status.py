@@ -83,15 +83,14 @@ def _matches_train_dtype(value: Any, config: Any) -> bool:
     return value is None or dtype_from_name(value) == config.train_dtype()
 
 
-_TP = "tensor parallelism is not available in ShardSpeed yet"
-_TP_OFF = "only applies to AutoTP tensor parallelism, which is not available yet"
+_TP = "tp.tp_size is the inference engine's tensor-parallel degree; training reads autotp_size"
+_TP_OFF = (
+    "an AutoTP tuning or placement knob: ShardSpeed's AutoTP trains in the engine's "
+    "precision (fp16/bf16 blocks) with synchronous tensor-axis collectives"
+)
 _HYBRID_OFF = "only applies to the hybrid engine (hybrid_engine.enabled), which is refused"
 _COMET_OFF = "only applies to the Comet monitor (comet.enabled), which is refused"
 _AUTOCAST_OFF = "only applies to torch_autocast.enabled, which is refused"
-_SPARSE = (
-    "the engine does not read the sparse_attention block; a sparse-attention layout is built "
-    "in model code (a SparsityConfig passed to the attention layer)"
-)
 _NVME_TUNING = "an NVMe/offload tuning knob; ShardSpeed's swapper does not use it"
 _STAGE3_TUNING = (
     "a ZeRO-3 fetch tuning knob; ShardSpeed fetches one flat unit per module with "
@@ -408,26 +407,23 @@ KEY_STATUS: dict[str, KeyRule] = {
     ),
     # -- parallelism ---------------------------------------------------------------------------
     **_refused(
-        "tensor_parallel.autotp_size",
-        _TP,
-        "0 or 1",
-        "set it to 0 (or 1) or remove it; train with data parallelism / ZeRO instead",
-        _at_most_one,
-    ),
-    **_refused(
         "tensor_parallel.tp.tp_size",
         _TP,
         "1",
-        "set it to 1 or remove it; train with data parallelism / ZeRO instead",
+        "set tensor_parallel.autotp_size instead (AutoTP training)",
         _at_most_one,
+    ),
+    **_used(
+        "runtime/initialize.py (AutoTP: shardspeed.parallel.tensor)",
+        "tensor_parallel.autotp_size",
+        "tensor_parallel.partition_config",
+        "tensor_parallel.preset_model",
     ),
     **_ignored(
         _TP_OFF,
         "tensor_parallel.tp_overlap_comm",
         "tensor_parallel.dtype",
         "tensor_parallel.tp.tp_grain_size",
-        "tensor_parallel.partition_config",
-        "tensor_parallel.preset_model",
         "tensor_parallel.keep_module_on_host",
     ),
     **_ignored(
@@ -467,8 +463,9 @@ KEY_STATUS: dict[str, KeyRule] = {
         "false",
         "remove the key",
     ),
-    **_ignored(
-        _SPARSE,
+    **_used(
+        "shardspeed.ops.sparse_attention.sparsity_config_from_config (model code builds its "
+        "block-sparse layout from the block; the engine itself does not read it)",
         "sparse_attention.mode",
         "sparse_attention.block",
         "sparse_attention.different_layout_per_head",

@@ -8,7 +8,7 @@ optimizer (unscale, overflow check, clip, update, all-gather) and the LR schedul
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -192,29 +192,36 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     def _grad_norm(self, replicated: Sequence[nn.Parameter]) -> GradNorm:
         """Sum squared norms over every mesh axis whose ranks hold different gradient
         elements: data when gradients are sharded over it (at stage 0 every data rank
-        holds the same reduced gradients), pipe (stages hold different layers).
-        ``replicated`` parameters are counted by another rank (a pipeline's tied copies)."""
+        holds the same reduced gradients), pipe (stages hold different layers); tensor-
+        parallel shards also over the tensor axis (replicated parameters count once);
+        expert groups over their expert axes. ``replicated`` parameters are counted by
+        another rank (a pipeline's tied copies). Every rank builds the same terms."""
         topo = self.topology
-        axes = [a for a in ("data", "pipe") if topo.size(a) > 1]
-        if self.stage == 0 and "data" in axes:
-            axes.remove("data")
+        axes = [a for a in ("data", "pipe") if topo.size(a) > 1 and (a != "data" or self.stage)]
+        default = [topo.group(a) for a in axes]
         skip = {id(p) for p in replicated}
-        excluded, base = [], 0  # (index into all masters, lo, hi)
+        terms = [NormTerm(self._master_slices(lambda p: id(p) in skip), None)] if skip else []
+        if topo.size("tensor") > 1:
+            sharded = self._master_slices(lambda p: getattr(p, "tensor_model_parallel", False))
+            terms.append(NormTerm(sharded, [*default, topo.group("tensor")]))
+        pipe = [topo.group("pipe")] if topo.size("pipe") > 1 else []
+        names = dict.fromkeys(n for g in self.flat_groups if (n := expert_name(g.params)))
+        for name in names:
+            slices = self._master_slices(lambda p, n=name: getattr(p, "group_name", None) == n)
+            terms.append(NormTerm(slices, [*expert_norm_groups(name, self.stage >= 1), *pipe]))
+        return GradNorm(default, self.device, terms)
+
+    def _master_slices(self, keep: Callable[[nn.Parameter], bool]) -> list[tuple[int, int, int]]:
+        """``(index into all masters, lo, hi)`` of this rank's fragments of matching params."""
+        out, base = [], 0
         for group in self.flat_groups:
-            for f in param_fragments(group):
-                if id(f.param) in skip:
-                    excluded.append((base + f.master_index, f.local, f.local + f.length))
+            out += [
+                (base + f.master_index, f.local, f.local + f.length)
+                for f in param_fragments(group)
+                if keep(f.param)
+            ]
             base += len(group.masters)
-        terms = [NormTerm(excluded, None)] if skip else []
-        base = 0
-        for group in self.flat_groups:  # expert groups: summed over their own axes
-            name = expert_name(group.params)
-            if name is not None:
-                slices = [(base + i, 0, m.numel()) for i, m in enumerate(group.masters)]
-                axes_groups = expert_norm_groups(name, sharded=self.stage >= 1)
-                terms.append(NormTerm(slices, axes_groups + [topo.group("pipe")] * (topo.pp > 1)))
-            base += len(group.masters)
-        return GradNorm([topo.group(a) for a in axes], self.device, terms)
+        return out
 
     def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
         """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""
@@ -391,12 +398,21 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         return memory_breakdown(self)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The module's full state dict in its own names (a collective call at stage 3)."""
+        """The module's full state dict in its own names and layout (a collective call at
+        stage 3 and with tensor parallelism: shards are gathered)."""
+        if self.topology.size("tensor") > 1:
+            from shardspeed.parallel.tensor.state import gather_full_state_dict
+
+            return gather_full_state_dict(self.module)
         return self.sharding.full_state_dict(self.module, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a full state dict (every rank passes the same one; at stage 3 the shards and
-        masters are updated too)."""
+        masters are updated too; with tensor parallelism each rank takes its slices)."""
+        if self.topology.size("tensor") > 1:
+            from shardspeed.parallel.tensor.state import load_full_state_dict
+
+            return load_full_state_dict(self.module, state_dict, strict=strict)
         return self.sharding.load_full_state_dict(self.module, state_dict, strict)
 
     @torch.no_grad()
@@ -477,8 +493,15 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
 
     def _check_checkpointable(self, what: str) -> None:
-        """Refuse expert-parallel models: their ranks hold different experts under the same
-        parameter names, which the name-keyed checkpoint format would merge."""
+        """Refuse expert- and tensor-parallel models: their ranks hold different experts or
+        shards under the same parameter names, which the name-keyed format would merge."""
+        if self.topology.size("tensor") > 1 and what != "save_16bit_model":
+            raise ValueError(
+                f"engine.{what}(): checkpoints of tensor-parallel models (tp="
+                f"{self.topology.size('tensor')}) are not supported yet (each rank holds a "
+                "shard under the parameter's name). engine.save_16bit_model() and "
+                "engine.state_dict() give the full weights."
+            )
         for group in self.flat_groups:
             name = expert_name(group.params)
             if name is not None and expert_parallel_size(name) > 1:

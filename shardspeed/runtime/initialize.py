@@ -118,7 +118,10 @@ def _build_engine(
     # --- end pipeline hook -------------------------------------------------------------------
 
     cfg = load_config(raw_config)
-    topology = build_topology(cfg, mpu)
+    tp = tensor_parallel_size(cfg, model)
+    topology = build_topology(cfg, mpu, tp)
+    if tp > 1:
+        shard_for_tensor_parallelism(model, cfg, topology)
     cfg = cfg.resolve_batch(topology.size("data"))  # the batch triple counts data ranks only
 
     from shardspeed.runtime.engine import ShardSpeedEngine
@@ -139,18 +142,61 @@ def _build_engine(
     return engine, engine.optimizer, dataloader, engine.lr_scheduler
 
 
-def build_topology(config: ShardSpeedConfig, mpu: Any = None) -> Topology:
+def build_topology(config: ShardSpeedConfig, mpu: Any = None, tp: int = 1) -> Topology:
     """The job's device mesh: from a Megatron/DeepSpeed-style ``mpu`` when one is given,
-    otherwise from the config's parallel degrees (every rank a data rank until tensor and
-    sequence parallelism exist: the config refuses ``autotp_size``/``sequence_parallel_size``
-    above 1). Built once per layout and process group, then reused."""
+    otherwise from the parallel degrees (``tp`` from AutoTP; the config refuses
+    ``sequence_parallel_size`` above 1 until sequence parallelism exists). Built once per
+    layout and process group, then reused (the tensor-parallel layers use the same mesh)."""
     if mpu is not None:
         return Topology.from_mpu(mpu)
+    if tp > 1:
+        from shardspeed.parallel.tensor.groups import topology_for
+
+        return topology_for(tp)
     key = (id(comm.get_world_group()), comm.get_world_size())
     topology = _TOPOLOGIES.get(key)
     if topology is None:
         topology = _TOPOLOGIES[key] = Topology.build()
     return topology
+
+
+def tensor_parallel_size(config: ShardSpeedConfig, model: nn.Module) -> int:
+    """AutoTP degree: ``tensor_parallel.autotp_size``, or the ``tp_model_init`` plan's."""
+    plan = getattr(model, "shardspeed_tp", None)
+    configured = config.tensor_parallel.autotp_size
+    if plan is None:
+        return max(configured, 1)
+    if configured > 1 and configured != plan.tp_size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={configured} but the model was sharded by "
+            f"tp_model_init(tp_size={plan.tp_size}); set autotp_size to {plan.tp_size} or "
+            "remove it."
+        )
+    return plan.tp_size
+
+
+def shard_for_tensor_parallelism(
+    model: nn.Module, config: ShardSpeedConfig, topology: Topology
+) -> None:
+    """Shard ``model`` in place with AutoTP (unless ``tp_model_init`` already did)."""
+    if config.zero_optimization.stage == 3:
+        raise ValueError(
+            "tensor_parallel.autotp_size > 1 with zero_optimization.stage=3 is not supported "
+            "yet (ZeRO-3 would re-shard the tensor-parallel shards); use stage 0, 1 or 2."
+        )
+    if getattr(model, "shardspeed_tp", None) is not None:
+        return
+    from shardspeed.parallel.tensor.autotp import tp_model_init
+
+    tp_config = config.tensor_parallel
+    tp_model_init(
+        model,
+        topology.size("tensor"),
+        None,  # the engine casts to the training dtype
+        topology.group("tensor"),
+        partition_config=tp_config.partition_config,
+        preset_model=tp_config.preset_model,
+    )
 
 
 # Meshes already built on this process group (initialize may run many times per process).

@@ -153,7 +153,6 @@ EXPECTED_REFUSED = {
     "zero_optimization.zero_quantized_gradients",
     "zero_optimization.compute_grad_norm",
     "zero_optimization.zenflow",
-    "tensor_parallel.autotp_size",
     "tensor_parallel.tp.tp_size",
     "hybrid_engine.enabled",
     "comet.enabled",
@@ -179,7 +178,7 @@ def test_aliases_and_legacy_names_resolve_to_registered_keys():
 
 def test_status_counts_and_refused_set_are_pinned():
     counts = {s: len(keys_with_status(s)) for s in KeyStatus}
-    assert counts == {KeyStatus.USED: 81, KeyStatus.REFUSED: 33, KeyStatus.IGNORED_KNOB: 105}
+    assert counts == {KeyStatus.USED: 97, KeyStatus.REFUSED: 32, KeyStatus.IGNORED_KNOB: 90}
     assert set(keys_with_status(KeyStatus.REFUSED)) == EXPECTED_REFUSED
     for path, rule in KEY_STATUS.items():
         assert rule.reason, path
@@ -206,14 +205,12 @@ def test_used_keys_include_the_core_ones():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_autotp_size_2_is_refused_with_an_actionable_error():
-    with pytest.raises(ConfigError) as info:
-        load_config({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}})
-    text = str(info.value)
-    assert "tensor_parallel.autotp_size" in text
-    assert "(got 2)" in text and "not available" in text
-    assert "Allowed: 0 or 1" in text and "Fix: set it to 0 (or 1) or remove it" in text
-    assert [i.path for i in info.value.issues] == ["tensor_parallel.autotp_size"]
+def test_autotp_size_is_used_now_that_tensor_parallelism_exists():
+    # refused until AutoTP training existed (issue 13); issue 14 made it work
+    # (tests/dist/test_tp_engine.py trains with it)
+    config = load_config({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 2}})
+    assert config.tensor_parallel.autotp_size == 2
+    assert KEY_STATUS["tensor_parallel.autotp_size"].status is KeyStatus.USED
 
 
 REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -239,7 +236,6 @@ REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "zero_optimization.zero_quantized_gradients": (True, {}),
     "zero_optimization.compute_grad_norm": (False, {"zero_optimization": {"stage": 2}}),
     "zero_optimization.zenflow": ({"topk_ratio": 0.1}, {}),
-    "tensor_parallel.autotp_size": (4, {}),
     "tensor_parallel.tp.tp_size": (2, {}),
     "hybrid_engine.enabled": (True, {}),
     "comet.enabled": (True, {}),
@@ -287,17 +283,17 @@ def test_refused_errors_are_collected_into_one_message():
         load_config(
             {
                 "train_batch_size": 8,
-                "tensor_parallel": {"autotp_size": 2},
+                "tensor_parallel": {"tp": {"tp_size": 2}},
                 "sequence_parallel_size": 2,
             }
         )
     paths = [i.path for i in info.value.issues]
-    assert sorted(paths) == ["sequence_parallel_size", "tensor_parallel.autotp_size"]
+    assert sorted(paths) == ["sequence_parallel_size", "tensor_parallel.tp.tp_size"]
 
 
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ConfigError, match="tensor_parallel.autotp_size"):
-        ShardSpeedConfig(train_batch_size=8, tensor_parallel={"autotp_size": 2})
+    with pytest.raises(ConfigError, match="sequence_parallel_size"):
+        ShardSpeedConfig(train_batch_size=8, sequence_parallel_size=2)
 
 
 # ----------------------------------------------------------------------------------------------
