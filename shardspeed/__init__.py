@@ -33,6 +33,7 @@ _LAZY_ATTRS = {
     "config": ("shardspeed.config", None),
     "Topology": ("shardspeed.topology", "Topology"),
     "tp_model_init": ("shardspeed.parallel.tensor.autotp", "tp_model_init"),
+    "sequence": ("shardspeed.sequence", None),
 }
 
 __all__ = ["__version__", *_LAZY_ATTRS]
