@@ -144,7 +144,8 @@ KEY_STATUS: dict[str, KeyRule] = {
         'remove the key, or scale the loss by the data-parallel world size to get "sum"',
     ),
     **_ignored(
-        "only applies to sequence parallelism, which is not available (sequence_parallel_size)",
+        "Ulysses all-to-alls move activations in their own dtype (an all-to-all only "
+        "permutes values, so a wider dtype cannot change them)",
         "seq_parallel_communication_data_type",
     ),
     **_ignored(
@@ -445,12 +446,9 @@ KEY_STATUS: dict[str, KeyRule] = {
         "hybrid_engine.tp_gather_partition_size",
         "hybrid_engine.enable_cuda_graph",
     ),
-    **_refused(
+    **_used(
+        "runtime/initialize.py (the mesh's sequence axis; ZeRO over data x sequence)",
         "sequence_parallel_size",
-        "sequence parallelism is not available in ShardSpeed yet",
-        "null or 1",
-        "set it to 1 or remove it",
-        _at_most_one,
     ),
     **_ignored(
         "the data-parallel degree is derived from the world size and the pipeline degree",

@@ -159,8 +159,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         p, config = self.precision, self._config
         return ShardingContext(
             stage=self.stage,
-            dp_group=self.dp_group,
-            dp_world_size=self.dp_world_size,
+            dp_group=self.topology.group(self._dense_axis()),
+            dp_world_size=self.topology.size(self._dense_axis()),
             axes=self.shard_axes,
             device=self.device,
             param_dtype=p.param_dtype,
@@ -179,8 +179,14 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         name = expert_name(group["params"])
         if name is not None:
             return expert_axis(name)
-        topo = self.topology
-        return ShardAxis(topo.group("data"), topo.size("data"), topo.rank_in("data"))
+        topo, axis = self.topology, self._dense_axis()
+        return ShardAxis(topo.group(axis), topo.size(axis), topo.rank_in(axis))
+
+    def _dense_axis(self) -> str:
+        """What dense parameters are sharded and reduced over: the data axis, and with
+        sequence parallelism data x sequence (every sequence rank holds the whole model
+        and the gradient of its own tokens; gradients are averaged over data ranks only)."""
+        return "data_sequence" if self.topology.size("sequence") > 1 else "data"
 
     def _grad_reduction(self, axis: ShardAxis) -> GradReduction:
         """The communication seam: an optimizer that reduces by itself gets local grads.
@@ -197,7 +203,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         expert groups over their expert axes. ``replicated`` parameters are counted by
         another rank (a pipeline's tied copies). Every rank builds the same terms."""
         topo = self.topology
-        axes = [a for a in ("data", "pipe") if topo.size(a) > 1 and (a != "data" or self.stage)]
+        dense = self._dense_axis()
+        axes = [a for a in (dense, "pipe") if topo.size(a) > 1 and (a != dense or self.stage)]
         default = [topo.group(a) for a in axes]
         skip = {id(p) for p in replicated}
         terms = [NormTerm(self._master_slices(lambda p: id(p) in skip), None)] if skip else []

@@ -144,19 +144,30 @@ def _build_engine(
 
 def build_topology(config: ShardSpeedConfig, mpu: Any = None, tp: int = 1) -> Topology:
     """The job's device mesh: from a Megatron/DeepSpeed-style ``mpu`` when one is given,
-    otherwise from the parallel degrees (``tp`` from AutoTP; the config refuses
-    ``sequence_parallel_size`` above 1 until sequence parallelism exists). Built once per
-    layout and process group, then reused (the tensor-parallel layers use the same mesh)."""
+    otherwise from the parallel degrees (``tp`` from AutoTP, ``sequence_parallel_size``).
+    Built once per layout and process group, then reused; the tensor- and sequence-parallel
+    layers are handed the same mesh (``register_topology``)."""
     if mpu is not None:
         return Topology.from_mpu(mpu)
-    if tp > 1:
-        from shardspeed.parallel.tensor.groups import topology_for
-
-        return topology_for(tp)
-    key = (id(comm.get_world_group()), comm.get_world_size())
+    sp = config.sequence_parallel_size or 1
+    key = (id(comm.get_world_group()), comm.get_world_size(), tp, sp)
     topology = _TOPOLOGIES.get(key)
     if topology is None:
-        topology = _TOPOLOGIES[key] = Topology.build()
+        topology = _TOPOLOGIES[key] = _mesh(tp, sp)
+    return topology
+
+
+def _mesh(tp: int, sp: int) -> Topology:
+    from shardspeed.parallel.sequence import groups as sequence_groups
+    from shardspeed.parallel.tensor import groups as tensor_groups
+
+    if sp == 1 and tp > 1:
+        return tensor_groups.topology_for(tp)  # the mesh a tp_model_init model already uses
+    topology = Topology.build(tp=tp, sp=sp)
+    if tp > 1:
+        tensor_groups.register_topology(topology)
+    if sp > 1:
+        sequence_groups.register_topology(topology)
     return topology
 
 
@@ -200,7 +211,7 @@ def shard_for_tensor_parallelism(
 
 
 # Meshes already built on this process group (initialize may run many times per process).
-_TOPOLOGIES: dict[tuple[int, int], Topology] = {}
+_TOPOLOGIES: dict[tuple[int, int, int, int], Topology] = {}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -137,7 +137,6 @@ EXPECTED_ALIASES = {
 EXPECTED_REFUSED = {
     "managed_gradient_accumulation",
     "gradient_allreduce_op",
-    "sequence_parallel_size",
     "use_data_before_expert_parallelism",
     "fp16.auto_cast",
     "fp16.fp16_master_weights_and_grads",
@@ -178,7 +177,7 @@ def test_aliases_and_legacy_names_resolve_to_registered_keys():
 
 def test_status_counts_and_refused_set_are_pinned():
     counts = {s: len(keys_with_status(s)) for s in KeyStatus}
-    assert counts == {KeyStatus.USED: 97, KeyStatus.REFUSED: 32, KeyStatus.IGNORED_KNOB: 90}
+    assert counts == {KeyStatus.USED: 98, KeyStatus.REFUSED: 31, KeyStatus.IGNORED_KNOB: 90}
     assert set(keys_with_status(KeyStatus.REFUSED)) == EXPECTED_REFUSED
     for path, rule in KEY_STATUS.items():
         assert rule.reason, path
@@ -217,7 +216,6 @@ REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     # path: (a refused value, extra config needed to reach the check)
     "managed_gradient_accumulation": (False, {}),
     "gradient_allreduce_op": ("sum", {}),
-    "sequence_parallel_size": (2, {}),
     "use_data_before_expert_parallelism": (True, {}),
     "fp16.auto_cast": (True, {"fp16": {"enabled": True}}),
     "fp16.fp16_master_weights_and_grads": (True, {"zero_optimization": {"stage": 1}}),
@@ -284,16 +282,16 @@ def test_refused_errors_are_collected_into_one_message():
             {
                 "train_batch_size": 8,
                 "tensor_parallel": {"tp": {"tp_size": 2}},
-                "sequence_parallel_size": 2,
+                "hybrid_engine": {"enabled": True},
             }
         )
     paths = [i.path for i in info.value.issues]
-    assert sorted(paths) == ["sequence_parallel_size", "tensor_parallel.tp.tp_size"]
+    assert sorted(paths) == ["hybrid_engine.enabled", "tensor_parallel.tp.tp_size"]
 
 
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ConfigError, match="sequence_parallel_size"):
-        ShardSpeedConfig(train_batch_size=8, sequence_parallel_size=2)
+    with pytest.raises(ConfigError, match="hybrid_engine.enabled"):
+        ShardSpeedConfig(train_batch_size=8, hybrid_engine={"enabled": True})
 
 
 # ----------------------------------------------------------------------------------------------
