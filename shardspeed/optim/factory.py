@@ -8,6 +8,10 @@ DeepSpeed's mapping (case-insensitive ``type``):
   decoupled. ``torch_adam`` is accepted and removed. ``weight_decay`` defaults to 0.0 as
   in DeepSpeed's ``FusedAdam`` (not torch AdamW's 0.01) unless ``torch_adam`` is true.
   With ``offload=True`` the optimizer is :class:`~shardspeed.ops.adam.DeepSpeedCPUAdam`.
+* ``OneBitAdam`` / ``ZeroOneAdam`` / ``OneBitLamb`` -> the communication-compressed
+  optimizers of :mod:`shardspeed.optim.onebit` (DeepSpeed's parameter names: ``freeze_step``,
+  ``var_freeze_step``, ``coeff_beta``, ...); they average gradients themselves
+  (``reduces_gradients``).
 * ``Lamb`` -> :class:`~shardspeed.ops.lamb.Lamb`; ``Lion`` -> :class:`~shardspeed.ops.lion.Lion`
   (``DeepSpeedCPULion`` with offload); ``Adagrad`` -> ``torch.optim.Adagrad``
   (``DeepSpeedCPUAdagrad`` with offload); ``SGD`` and any other ``torch.optim`` class name
@@ -39,8 +43,15 @@ _TORCH_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     and cls is not torch.optim.Optimizer
 }
 
+# DeepSpeed's 1-bit optimizer type names -> class names in shardspeed.optim.onebit (lazy)
+_ONEBIT_OPTIMIZERS: dict[str, str] = {
+    "onebitadam": "OnebitAdam",
+    "zerooneadam": "ZeroOneAdam",
+    "onebitlamb": "OnebitLamb",
+}
+
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(
-    ["Adam", "AdamW", "Lamb", "Lion"]
+    ["Adam", "AdamW", "Lamb", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
     + sorted(n for n in _TORCH_OPTIMIZERS if n not in ("Adam", "AdamW"))
 )
 """Built-in ``optimizer.type`` names (matched case-insensitively)."""
@@ -165,6 +176,16 @@ def _resolve(
         from shardspeed.ops.lion import DeepSpeedCPULion
 
         return (DeepSpeedCPULion if offload else Lion), kwargs
+    if key in _ONEBIT_OPTIMIZERS:
+        if offload:
+            raise ValueError(
+                f"optimizer.type={type_name!r} cannot run with offload_optimizer: it "
+                "communicates from the optimizer step on device-resident masters (as in "
+                "DeepSpeed). Fix: remove zero_optimization.offload_optimizer."
+            )
+        from shardspeed.optim import onebit
+
+        return getattr(onebit, _ONEBIT_OPTIMIZERS[key]), kwargs
     if key == "adagrad" and offload:
         from shardspeed.ops.adagrad import DeepSpeedCPUAdagrad
 
