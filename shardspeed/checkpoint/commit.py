@@ -95,6 +95,7 @@ def take_snapshot(
     writer = FragmentWriter(copy=copy)
     scalars = collect_fragments(engine, writer, exclude_frozen=exclude_frozen)
     writer.synchronize()  # device -> host copies are complete before training resumes
+    rank_local = _rank_local_tensors(engine)
     stem = rank_stem(rank)
     meta = {
         "file": f"{stem}.safetensors",
@@ -102,6 +103,7 @@ def take_snapshot(
         "world_size": world_size,
         "tensors": writer.entries,
         "client_tensors": sorted(client_tensors),
+        "rank_local_tensors": sorted(rank_local),
         "client_state": client_json,
         "optimizer_scalars": scalars,
         "engine": capture_engine_state(engine),
@@ -117,7 +119,7 @@ def take_snapshot(
         rank=rank,
         world_size=world_size,
         save_latest=save_latest,
-        tensors={**writer.tensors, **client_tensors},
+        tensors={**writer.tensors, **client_tensors, **rank_local},
         meta=meta,
         manifest_fields={
             "dp_world_size": engine.dp_world_size,
@@ -126,6 +128,20 @@ def take_snapshot(
         },
         fsync=fsync,
     )
+
+
+RANK_LOCAL_PREFIX = "rank_local/"
+
+
+def _rank_local_tensors(engine: Any) -> dict[str, torch.Tensor]:
+    """State only this rank holds (a 1-bit optimizer's error feedback), by key, host copies."""
+    hook = getattr(getattr(engine, "basic_optimizer", None), "rank_local_state", None)
+    if hook is None:
+        return {}
+    return {
+        RANK_LOCAL_PREFIX + name: t.detach().to("cpu", copy=True).reshape(-1).contiguous()
+        for name, t in hook().items()
+    }
 
 
 def _fault_ranks() -> set[int] | None:

@@ -23,6 +23,7 @@ from shardspeed import comm
 from shardspeed.checkpoint.async_save import save_coordinator, wait_pending
 from shardspeed.checkpoint.commit import (
     FAULT_ENV,
+    RANK_LOCAL_PREFIX,
     commit,
     failed_ranks,
     take_snapshot,
@@ -211,6 +212,7 @@ def load_checkpoint(
     load_fragments(
         engine, reader, manifest, optimizer_states=optimizer_states, strict=load_module_strict
     )
+    _load_rank_local(engine, reader, own if same_topology and optimizer_states else None)
     engine.publish_params()  # masters -> parameter shards -> usable parameters
     client = {k: reader.read(own["file"], k, 0, None) for k in own["client_tensors"]}
     if not load_module_only:
@@ -276,3 +278,15 @@ def save_16bit_model(
         os.replace(tmp, path)
     _barrier()
     return True
+
+
+def _load_rank_local(engine: Any, reader: Any, own: dict[str, Any] | None) -> None:
+    """Give a 1-bit optimizer its per-rank state back (None: another layout, start fresh)."""
+    hook = getattr(engine.basic_optimizer, "load_rank_local_state", None)
+    if hook is None:
+        return
+    if own is None or not own.get("rank_local_tensors"):
+        hook(None)
+        return
+    n = len(RANK_LOCAL_PREFIX)
+    hook({k[n:]: reader.read(own["file"], k, 0, None) for k in own["rank_local_tensors"]})

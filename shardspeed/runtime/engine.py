@@ -87,6 +87,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             [g.masters for g in self.flat_groups],
             offload=self.offload.offload_optimizer,
         )
+        self._attach_self_reducing_optimizer()
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(
             self.sharding.grad_slots(),
@@ -173,6 +174,31 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             pre_factor=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
         )
 
+    def _attach_self_reducing_optimizer(self) -> None:
+        """An optimizer that averages gradients itself (1-bit Adam family) gets the data
+        group and, if it normalises per parameter (1-bit LAMB), where each parameter sits
+        in the flat masters. Such optimizers step whole buckets: ZeRO >= 1 is refused."""
+        opt = self.basic_optimizer
+        if not getattr(opt, "reduces_gradients", False):
+            return
+        if self.stage >= 1:
+            raise ValueError(
+                f"optimizer {type(opt).__name__} compresses its own gradient communication "
+                f"and needs whole parameters, but zero_optimization.stage={self.stage} shards "
+                "them. Fix: set zero_optimization.stage to 0 (as DeepSpeed requires)."
+            )
+        opt.comm_group = self.dp_group
+        if hasattr(opt, "set_param_segments"):
+            opt.set_param_segments(
+                [
+                    [
+                        [(f.local, f.length) for f in param_fragments(g) if f.master_index == i]
+                        for i in range(len(g.masters))
+                    ]
+                    for g in self.flat_groups
+                ]
+            )
+
     def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
         """The ranks a param group is sharded and reduced over: the data axis, or the
         ``expert_data`` axis of its experts (:mod:`shardspeed.runtime.expert_layout`)."""
@@ -204,7 +230,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         another rank (a pipeline's tied copies). Every rank builds the same terms."""
         topo = self.topology
         dense = self._dense_axis()
-        axes = [a for a in (dense, "pipe") if topo.size(a) > 1 and (a != dense or self.stage)]
+        # local gradients (a self-reducing optimizer): sum every rank's squares over the
+        # data axis and divide by dp below, so all ranks clip and detect overflow alike
+        local = getattr(self.basic_optimizer, "reduces_gradients", False)
+        axes = [
+            a for a in (dense, "pipe") if topo.size(a) > 1 and (a != dense or self.stage or local)
+        ]
         default = [topo.group(a) for a in axes]
         skip = {id(p) for p in replicated}
         terms = [NormTerm(self._master_slices(lambda p: id(p) in skip), None)] if skip else []
@@ -216,7 +247,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         for name in names:
             slices = self._master_slices(lambda p, n=name: getattr(p, "group_name", None) == n)
             terms.append(NormTerm(slices, [*expert_norm_groups(name, self.stage >= 1), *pipe]))
-        return GradNorm(default, self.device, terms)
+        divide = float(topo.size(dense)) if local else 1.0
+        return GradNorm(default, self.device, terms, divide=divide)
 
     def _master_slices(self, keep: Callable[[nn.Parameter], bool]) -> list[tuple[int, int, int]]:
         """``(index into all masters, lo, hi)`` of this rank's fragments of matching params."""

@@ -44,6 +44,9 @@ class GradNorm:
     groups: Sequence[Any]
     device: torch.device
     terms: Sequence[NormTerm] = field(default_factory=tuple)
+    # the squared sum is divided by this: with unreduced (per-rank) gradients, the RMS of
+    # the ranks' norms, an upper bound of the averaged gradient's norm
+    divide: float = 1.0
 
     def __call__(self, grads: Sequence[torch.Tensor]) -> float:
         # grads: this rank's master gradients, one per (param group, bucket/flat)
@@ -66,6 +69,8 @@ class GradNorm:
                 parts.append((sq, term.groups))
         parts.insert(0, (rest, self.groups))
         total = self._sum_over_groups(parts)
+        if self.divide != 1.0:
+            total = total / self.divide
         return float(total.clamp_min(0).sqrt()) if torch.isfinite(total) else float(total)
 
     @staticmethod
