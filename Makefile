@@ -8,7 +8,7 @@ PEERS_VENV ?= .venv-peers
 # number in docs/ was measured on it. `make TORCH=torch` takes whatever pip resolves instead.
 TORCH ?= torch==2.13.0
 
-.PHONY: all demo test test-slow test-gpu lint format bench bench-peers clean
+.PHONY: all demo test test-slow test-gpu lint format bench bench-peers clean compat
 
 all: test
 
@@ -24,12 +24,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check shardspeed tests benchmarks examples
-	$(BIN)/ruff format --check shardspeed tests benchmarks examples
+	$(BIN)/ruff check shardspeed tests benchmarks examples compat
+	$(BIN)/ruff format --check shardspeed tests benchmarks examples compat
 
 format: $(STAMP)
-	$(BIN)/ruff format shardspeed tests benchmarks examples
-	$(BIN)/ruff check --fix shardspeed tests benchmarks examples
+	$(BIN)/ruff format shardspeed tests benchmarks examples compat
+	$(BIN)/ruff check --fix shardspeed tests benchmarks examples compat
 
 test: lint
 	$(BIN)/python -m pytest -q tests
@@ -39,6 +39,11 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu tests
+
+# The compatibility distribution (compat/deepspeed): a `deepspeed` package backed by
+# shardspeed, so transformers/accelerate find "DeepSpeed". Refuses to replace a real one.
+compat: $(STAMP)
+	$(BIN)/python compat/install.py
 
 demo: $(STAMP)
 	$(BIN)/python examples/train_gpt.py

@@ -1,6 +1,9 @@
 """ShardSpeed: DeepSpeed's API and config on one clean sharding engine built on PyTorch.
 
-``import shardspeed as deepspeed`` is the intended drop-in. Heavy subpackages load lazily.
+``import shardspeed as deepspeed`` is the intended drop-in. Heavy subpackages load lazily:
+DeepSpeed's eagerly imported subpackages (``runtime``, ``checkpoint``, ``utils``, ``zero``,
+...) are attributes all the same, imported on first access, so ``import shardspeed`` stays
+cheap. The names scripts use are listed in ``tests/unit/deepspeed_api_names.txt``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from typing import Any
 __version__ = "0.1.0"
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("."))
 __git_hash__ = "unknown"
+__git_branch__ = "unknown"
+version, git_hash, git_branch = __version__, __git_hash__, __git_branch__
 
 _LAZY_ATTRS = {
     # name -> (module, attribute or None for the module itself)
@@ -34,6 +39,16 @@ _LAZY_ATTRS = {
     "Topology": ("shardspeed.topology", "Topology"),
     "tp_model_init": ("shardspeed.parallel.tensor.autotp", "tp_model_init"),
     "sequence": ("shardspeed.sequence", None),
+    # DeepSpeed's top-level names and eagerly imported subpackages
+    "DeepSpeedEngine": ("shardspeed.runtime.engine", "DeepSpeedEngine"),
+    "PipelineEngine": ("shardspeed.runtime.pipe.engine", "PipelineEngine"),
+    "PipelineModule": ("shardspeed.pipe", "PipelineModule"),
+    "DeepSpeedConfig": ("shardspeed.runtime.config", "DeepSpeedConfig"),
+    "DeepSpeedConfigError": ("shardspeed.runtime.config", "DeepSpeedConfigError"),
+    "runtime": ("shardspeed.runtime", None),
+    "checkpoint": ("shardspeed.checkpoint", None),
+    "accelerator": ("shardspeed.accelerator", None),
+    "git_version_info": ("shardspeed.git_version_info", None),
 }
 
 __all__ = ["__version__", *_LAZY_ATTRS]

@@ -1,10 +1,14 @@
 """Engine checkpoints: atomic (optionally asynchronous), safetensors-only, resharded on load.
 
-See ``docs/checkpoints.md`` for the format.
+See ``docs/checkpoints.md`` for the format. Submodules (``shardspeed.checkpoint.utils``,
+DeepSpeed's path of ``clone_tensors_for_torch_save``) load on first attribute access.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from shardspeed._submodules import load_submodule
 from shardspeed.checkpoint.commit import CheckpointError
 from shardspeed.checkpoint.consolidate import (
     convert_to_fp32_files,
@@ -30,3 +34,7 @@ __all__ = [
     "save_checkpoint",
     "wait_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+    return load_submodule(__name__, name)

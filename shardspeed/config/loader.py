@@ -12,6 +12,7 @@ import binascii
 import json
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -194,7 +195,12 @@ def _auto_paths(data: Any, prefix: str = "") -> list[str]:
     return []
 
 
-def load_config(source: ConfigSource, *, dp_world_size: int | None = None) -> ShardSpeedConfig:
+def load_config(
+    source: ConfigSource,
+    *,
+    dp_world_size: int | None = None,
+    sections: Collection[str] | None = None,
+) -> ShardSpeedConfig:
     """Build a :class:`ShardSpeedConfig` from a dict, a path, base64/JSON text or a config.
 
     Args:
@@ -203,6 +209,10 @@ def load_config(source: ConfigSource, *, dp_world_size: int | None = None) -> Sh
             or re-resolved when ``dp_world_size`` is given).
         dp_world_size: when given, the batch triple is resolved for this data-parallel size
             and the three batch fields are ints afterwards.
+        sections: when given, only these top-level keys are read and validated, the rest
+            left at their defaults: for callers that use a few sections of a config whose
+            other values may still be unresolved (``zero.Init`` under the Hugging Face
+            Trainer, which fills ``scheduler`` ``"auto"`` values only at ``train()``).
 
     Raises:
         ConfigError: for every mistake, naming the JSON path, the value, what is allowed and
@@ -224,6 +234,8 @@ def load_config(source: ConfigSource, *, dp_world_size: int | None = None) -> Sh
                 )
             ]
         )
+    if sections is not None:
+        data = {key: value for key, value in data.items() if key in sections}
     autos = _auto_paths(data)
     if autos:
         info_once("ds_config 'auto' values resolved to defaults: " + ", ".join(autos))

@@ -72,6 +72,11 @@ def _legacy_zero_bool(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def _infinity_is_never(value: Any) -> Any:
+    """``float("inf")`` (what Accelerate writes for ``steps_per_print``) means "never"."""
+    return None if isinstance(value, float) and value == float("inf") else value
+
+
 class ShardSpeedConfig(ConfigModel):
     """The typed ds_config. Field names are the ds_config keys."""
 
@@ -95,10 +100,11 @@ class ShardSpeedConfig(ConfigModel):
     )
 
     # -- logging -------------------------------------------------------------------------------
-    steps_per_print: Int | None = Field(
+    steps_per_print: Annotated[Int | None, BeforeValidator(_infinity_is_never)] = Field(
         10,
         ge=0,
-        description="Log lr/loss-scale progress every N optimizer steps (0 or None = never).",
+        description="Log lr/loss-scale progress every N optimizer steps (0, None or "
+        "Infinity = never; Accelerate sets Infinity).",
     )
     wall_clock_breakdown: bool = Field(
         False, description="Time forward/backward/step (forced on by flops_profiler.enabled)."

@@ -580,6 +580,17 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             load_module_only,
         )
 
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, Any]:
+        """DeepSpeed's name (Accelerate's ZeRO-3 save): the full state dict on rank 0 and {}
+        elsewhere; a collective, as :meth:`state_dict`."""
+        state = self.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state if self.global_rank == 0 else {}
+
     def save_16bit_model(
         self,
         save_dir: str,
@@ -604,3 +615,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self.reporter.close()
         self.wait_checkpoint()
         self.offload.close()  # finish swap I/O, delete swap files
+
+
+DeepSpeedEngine = ShardSpeedEngine  # DeepSpeed's name (isinstance checks in Accelerate)

@@ -1,12 +1,15 @@
 """Small shared utilities (logging, accelerator helpers) and, as in ``deepspeed.utils``, the
 ``safe_get_*`` / ``safe_set_*`` accessors of a parameter's fp32 state
-(:mod:`shardspeed.zero.tensor_fragment`, loaded on first use)."""
+(:mod:`shardspeed.zero.tensor_fragment`), ``RepeatingLoader``, ``set_z3_leaf_modules`` and
+friends (:mod:`shardspeed.runtime.zero.leaf_module`), and the submodules ``groups`` and
+``zero_to_fp32``; all loaded on first use."""
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from shardspeed._submodules import load_submodule
 from shardspeed.utils.logging import get_logger, log_dist, logger
 
 _FRAGMENT_API = (
@@ -22,12 +25,28 @@ _FRAGMENT_API = (
     "safe_set_local_optimizer_state",
 )
 
-__all__ = ["get_logger", "log_dist", "logger", *_FRAGMENT_API]
+# name -> module that defines it
+_LAZY_NAMES = {
+    **dict.fromkeys(_FRAGMENT_API, "shardspeed.zero.tensor_fragment"),
+    "RepeatingLoader": "shardspeed.runtime.dataloader",
+    **dict.fromkeys(
+        (
+            "get_z3_leaf_modules",
+            "set_z3_leaf_modules",
+            "unset_z3_leaf_modules",
+            "z3_leaf_module",
+            "z3_leaf_parameter",
+        ),
+        "shardspeed.runtime.zero.leaf_module",
+    ),
+}
+
+__all__ = ["get_logger", "log_dist", "logger", *_LAZY_NAMES]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _FRAGMENT_API:
-        raise AttributeError(f"module 'shardspeed.utils' has no attribute {name!r}")
-    value = getattr(importlib.import_module("shardspeed.zero.tensor_fragment"), name)
+    if name not in _LAZY_NAMES:
+        return load_submodule(__name__, name)  # groups, zero_to_fp32, ...
+    value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     globals()[name] = value
     return value

@@ -193,7 +193,8 @@ def _load_config(source: Any) -> Any:
         return None
     from shardspeed.config import load_config
 
-    return load_config(source)
+    # only the blocks read here: the rest may hold "auto" values the HF Trainer fills later
+    return load_config(source, sections=("fp16", "bf16", "zero_optimization"))
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, cfg: Any) -> torch.dtype | None:

@@ -9,11 +9,16 @@ Typical use in model code::
     ...
     hidden = shardspeed.checkpointing.checkpoint(layer, hidden, attention_mask)
 
-See ``docs/activation_checkpointing.md``.
+See ``docs/activation_checkpointing.md``. DeepSpeed's module path
+``...activation_checkpointing.checkpointing`` (with its module-level flags) is the submodule
+:mod:`.checkpointing`, loaded on first attribute access.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from shardspeed._submodules import load_submodule
 from shardspeed.runtime.activation_checkpointing.checkpoint import (
     CheckpointFunction,
     checkpoint,
@@ -41,6 +46,10 @@ def reset() -> None:
     Nothing is pooled across calls here (saved inputs are ordinary tensors freed by
     autograd), so this only exists for API compatibility; configuration is kept.
     """
+
+
+def __getattr__(name: str) -> ModuleType:
+    return load_submodule(__name__, name)
 
 
 __all__ = [

@@ -1,0 +1,45 @@
+"""DeepSpeed's import path ``deepspeed.utils.groups``: re-exports
+:mod:`shardspeed.runtime.groups` (the process-group getters over the job's Topology)."""
+
+from shardspeed.runtime.groups import (  # noqa: F401 (re-exports)
+    _get_broadcast_src_rank,
+    _get_data_parallel_group,
+    _get_data_parallel_rank,
+    _get_data_parallel_world_size,
+    _get_expert_data_parallel_group,
+    _get_expert_data_parallel_rank,
+    _get_expert_data_parallel_world_size,
+    _get_expert_parallel_group,
+    _get_expert_parallel_rank,
+    _get_expert_parallel_world_size,
+    _get_model_parallel_world_size,
+    _get_sequence_data_parallel_group,
+    _get_sequence_data_parallel_rank,
+    _get_sequence_data_parallel_world_size,
+    _get_sequence_parallel_group,
+    _get_sequence_parallel_rank,
+    _get_sequence_parallel_world_size,
+    get_data_parallel_group,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_model_parallel_group,
+    get_model_parallel_rank,
+    get_model_parallel_world_size,
+    get_tensor_model_parallel_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_src_rank,
+    get_tensor_model_parallel_world_size,
+)
+
+__all__ = [
+    "get_data_parallel_group",
+    "get_data_parallel_rank",
+    "get_data_parallel_world_size",
+    "get_model_parallel_group",
+    "get_model_parallel_rank",
+    "get_model_parallel_world_size",
+    "get_tensor_model_parallel_group",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_src_rank",
+    "get_tensor_model_parallel_world_size",
+]
