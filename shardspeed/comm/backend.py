@@ -170,6 +170,9 @@ def init_distributed(
             world_size=env.world_size,
             timeout=timeout,
         )
+        from shardspeed.comm.blame import install  # failure records for blame reports
+
+        install()
     if verbose:
         log_dist(
             f"initialised torch.distributed: backend={backend}, world_size={env.world_size}, "

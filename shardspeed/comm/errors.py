@@ -9,6 +9,10 @@
 * :class:`CollectiveMismatchError`: the collective-sequence check found that ranks issued
   different collectives (see :mod:`shardspeed.comm.sequence_check`).
 
+Before building the first two, the ranks that saw the failure agree through the
+rendezvous store on the rank at fault (:mod:`shardspeed.comm.blame`); the report's
+``blame:`` line names it and ``error.blamed_rank`` holds it (None: nobody singled out).
+
 The first two subclass ``torch.distributed.DistBackendError`` (a ``RuntimeError``), so
 code that caught the backend's error still catches them.
 """
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardspeed.comm.blame import after_report, agree
 from shardspeed.comm.sequence import dtype_name, format_ranks, group_ranks
 
 LAST_OPS_IN_REPORT = 8
@@ -126,8 +131,13 @@ def collective_failure(
             "first error on any rank: its report names the collective that failed first."
         )
     where = tag if tag else "<untagged: no set_current_tag() was active>"
+    from shardspeed.comm.backend import group_timeout
+
+    timeout = group_timeout(group)
+    blamed = agree(entry, list(group_ranks(group)), timeout and timeout.total_seconds())
     lines = [
         head,
+        *([f"  blame: {blamed.text}"] if blamed is not None else []),
         f"  collective: {describe_entry(entry)}",
         f"  module/phase: {where}",
         f"  last collectives issued by rank {rank} (oldest first; -> marks this one):",
@@ -141,4 +151,6 @@ def collective_failure(
     error = kind("\n".join(lines))
     error.rank = rank  # type: ignore[attr-defined]
     error.entry = entry  # type: ignore[attr-defined]
+    error.blamed_rank = None if blamed is None else blamed.culprit  # type: ignore[attr-defined]
+    after_report(str(error))
     return error

@@ -2,7 +2,8 @@
 
 Exit codes always propagate: the launcher returns torchrun's status locally and, for a
 multi-node job, the status of the first node that failed (a signal-killed child maps to
-``128 + signal``). When a node fails, the others are terminated.
+``128 + signal``). When a node fails, the others are terminated. A failed local job ends
+with one ``shardspeed: job failed`` line naming the first rank that failed and why.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO
 
 from shardspeed.utils.logging import get_logger
+
+BLAME_DIR_ENV = "SHARDSPEED_BLAME_DIR"  # shardspeed.comm.blame reads it (kept torch-free here)
 
 logger = get_logger(__name__)
 
@@ -51,12 +55,36 @@ def _terminal_signals_group() -> bool:
         return False
 
 
+def failure_summary(status: int, blame_dir: str) -> str:
+    """The launcher's one line for a failed job: the first rank that failed, and why.
+
+    Read from the records the ranks left in ``blame_dir`` (see
+    :mod:`shardspeed.comm.blame`); torchrun's own "root cause" can name a survivor.
+    """
+    from shardspeed.comm.blame import read_records, summarize
+
+    found = summarize(read_records(blame_dir))
+    if found is None:
+        found = "no rank left a failure report (see torchrun's output above)"
+    return f"shardspeed: job failed (exit status {status}): {found}"
+
+
 def run_local(argv: Sequence[str], env: Mapping[str, str]) -> int:
     """Run ``argv`` (a torchrun command) with ``env`` added, forwarding SIGINT/SIGTERM.
 
     The child stays in our process group, so a terminal Ctrl-C already reaches it; SIGINT
-    is forwarded only when it cannot have come from the terminal.
+    is forwarded only when it cannot have come from the terminal. When the job fails, one
+    line on stderr names the first rank that failed (:func:`failure_summary`).
     """
+    with tempfile.TemporaryDirectory(prefix="shardspeed-blame-") as blame_dir:
+        status = _run_local(argv, {**env, BLAME_DIR_ENV: blame_dir})
+        if status != 0:
+            sys.stderr.write(failure_summary(status, blame_dir) + "\n")
+            sys.stderr.flush()
+    return status
+
+
+def _run_local(argv: Sequence[str], env: Mapping[str, str]) -> int:
     proc = subprocess.Popen(list(argv), env={**os.environ, **env})
 
     def forward(signum: int, _frame: object) -> None:
