@@ -13,58 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardspeed import comm
+from shardspeed.parallel.topology_cache import TopologyCache
 from shardspeed.topology import Topology
-from shardspeed.utils.reset_hooks import register_reset_hook
 
-# sp_size -> (the world group it was built in, its Topology); a new world invalidates it.
-_TOPOLOGIES: dict[int, tuple[Any, Topology]] = {}
-
-
-@register_reset_hook
-def clear_topologies() -> None:
-    """Forget every cached Topology (the process groups themselves are not destroyed)."""
-    _TOPOLOGIES.clear()
-
-
-def _cached(sp_size: int) -> Topology | None:
-    entry = _TOPOLOGIES.get(sp_size)
-    if entry is not None and entry[0] is comm.get_world_group():
-        return entry[1]
-    return None
+_CACHE = TopologyCache("sequence", "sp", "sequence-parallel")
+clear_topologies = _CACHE.clear
+register_topology = _CACHE.register
 
 
 def topology_for(sp_size: int) -> Topology:
-    """The job's Topology with a sequence axis of ``sp_size`` (built on first use).
-
-    Collective on first use for a given ``sp_size``: every rank must call it (it creates the
-    mesh's process groups). ``dp`` is whatever is left: ``world_size // sp_size``.
-    """
-    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
-        raise ValueError(f"sp_size must be an int >= 1, got {sp_size!r}")
-    topology = _cached(sp_size)
-    if topology is not None:
-        return topology
-    if not comm.is_initialized():
-        raise RuntimeError(
-            f"topology_for(sp_size={sp_size}) needs torch.distributed; call "
-            "shardspeed.init_distributed() first (or launch with torchrun)."
-        )
-    world_size = comm.get_world_size()
-    if world_size % sp_size:
-        raise ValueError(
-            f"sequence-parallel size {sp_size} does not divide the world size {world_size}; "
-            f"choose an sp size among {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
-        )
-    topology = Topology.build(sp=sp_size)
-    _TOPOLOGIES[sp_size] = (comm.get_world_group(), topology)
-    return topology
-
-
-def register_topology(topology: Topology) -> None:
-    """Make ``topology`` (e.g. the engine's mesh) the one for its sequence-parallel size."""
-    topology.group("sequence")  # raises if its groups were not created yet
-    _TOPOLOGIES[topology.sp] = (comm.get_world_group(), topology)
+    """The job's Topology with a sequence axis of ``sp_size`` (built on first use; collective)."""
+    return _CACHE.topology_for(sp_size)
 
 
 def sequence_group(sp_size: int) -> Any:

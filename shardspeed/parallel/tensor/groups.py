@@ -12,58 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardspeed import comm
+from shardspeed.parallel.topology_cache import TopologyCache
 from shardspeed.topology import Topology
-from shardspeed.utils.reset_hooks import register_reset_hook
 
-# tp_size -> (the world group it was built in, its Topology); a new world invalidates it.
-_TOPOLOGIES: dict[int, tuple[Any, Topology]] = {}
-
-
-@register_reset_hook
-def clear_topologies() -> None:
-    """Forget every cached Topology (the process groups themselves are not destroyed)."""
-    _TOPOLOGIES.clear()
-
-
-def _cached(tp_size: int) -> Topology | None:
-    entry = _TOPOLOGIES.get(tp_size)
-    if entry is not None and entry[0] is comm.get_world_group():
-        return entry[1]
-    return None
+_CACHE = TopologyCache("tensor", "tp", "tensor-parallel")
+clear_topologies = _CACHE.clear
+register_topology = _CACHE.register
 
 
 def topology_for(tp_size: int) -> Topology:
-    """The job's Topology with a tensor axis of ``tp_size`` (built on first use).
-
-    Collective on first use for a given ``tp_size``: every rank must call it (it creates the
-    mesh's process groups). ``dp`` is whatever is left: ``world_size // tp_size``.
-    """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
-    topology = _cached(tp_size)
-    if topology is not None:
-        return topology
-    if not comm.is_initialized():
-        raise RuntimeError(
-            f"topology_for(tp_size={tp_size}) needs torch.distributed; call "
-            "shardspeed.init_distributed() first (or launch with torchrun)."
-        )
-    world_size = comm.get_world_size()
-    if world_size % tp_size:
-        raise ValueError(
-            f"tensor-parallel size {tp_size} does not divide the world size {world_size}; "
-            f"choose a tp size among {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
-        )
-    topology = Topology.build(tp=tp_size)
-    _TOPOLOGIES[tp_size] = (comm.get_world_group(), topology)
-    return topology
-
-
-def register_topology(topology: Topology) -> None:
-    """Make ``topology`` (e.g. the engine's pp x dp x tp mesh) the one for its tp size."""
-    topology.group("tensor")  # raises if its groups were not created yet
-    _TOPOLOGIES[topology.tp] = (comm.get_world_group(), topology)
+    """The job's Topology with a tensor axis of ``tp_size`` (built on first use; collective)."""
+    return _CACHE.topology_for(tp_size)
 
 
 def tensor_group(tp_size: int) -> Any:
@@ -77,9 +36,7 @@ def default_tensor_group() -> Any:
     For layers constructed without ``group=``: unambiguous only when exactly one tp size > 1
     is in use; otherwise the caller must pass the group.
     """
-    live = [
-        t for tp, (world, t) in _TOPOLOGIES.items() if tp > 1 and world is comm.get_world_group()
-    ]
+    live = _CACHE.live()
     if len(live) != 1:
         sizes = sorted(t.tp for t in live)
         raise ValueError(
