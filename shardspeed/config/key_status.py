@@ -88,7 +88,6 @@ _TP_OFF = (
     "an AutoTP tuning or placement knob: ShardSpeed's AutoTP trains in the engine's "
     "precision (fp16/bf16 blocks) with synchronous tensor-axis collectives"
 )
-_HYBRID_OFF = "only applies to the hybrid engine (hybrid_engine.enabled), which is refused"
 _COMET_OFF = "only applies to the Comet monitor (comet.enabled), which is refused"
 _AUTOCAST_OFF = "only applies to torch_autocast.enabled, which is refused"
 _NVME_TUNING = "an NVMe/offload tuning knob; ShardSpeed's swapper does not use it"
@@ -431,18 +430,25 @@ KEY_STATUS: dict[str, KeyRule] = {
         "an inference option (kernel injection); use shardspeed.init_inference",
         "tensor_parallel.replace_with_kernel_inject",
     ),
-    **_refused(
+    **_used(
+        "runtime/hybrid.py (generate on the training engine; ZeRO-3 gathers once per call "
+        "with pin_parameters, per unit and step without)",
         "hybrid_engine.enabled",
-        "the hybrid (train + generate) engine is not implemented",
-        "false",
-        "remove the block; generate with shardspeed.init_inference on the trained weights",
+        "hybrid_engine.pin_parameters",
+    ),
+    **_refused(
+        "hybrid_engine.inference_tp_size",
+        "tensor-parallel generation inside the hybrid engine is not implemented",
+        "1",
+        "remove the key (generation runs on each rank's gathered weights); serve a TP model "
+        "with shardspeed.init_inference",
+        _at_most_one,
     ),
     **_ignored(
-        _HYBRID_OFF,
+        "a generation workspace/caching knob: the hybrid engine runs the model's own generate, "
+        "whose KV cache is allocated per call and freed after it",
         "hybrid_engine.max_out_tokens",
-        "hybrid_engine.inference_tp_size",
         "hybrid_engine.release_inference_cache",
-        "hybrid_engine.pin_parameters",
         "hybrid_engine.tp_gather_partition_size",
         "hybrid_engine.enable_cuda_graph",
     ),

@@ -32,6 +32,24 @@ class GPTConfig:
         return asdict(self)
 
 
+class LayerKV:
+    """One layer's key/value cache for incremental decoding, preallocated to ``capacity``."""
+
+    def __init__(self, batch: int, n_head: int, head_size: int, capacity: int, like: torch.Tensor):
+        shape = (batch, n_head, capacity, head_size)  # (B, nh, capacity, hs)
+        self.k = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.v = torch.empty(shape, dtype=like.dtype, device=like.device)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``(B, nh, T, hs)`` new keys/values; return every cached one so far."""
+        end = self.length + k.size(2)
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]  # (B, nh, end, hs) each
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -45,7 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape  # (B, T, C)
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, T, C)
         hs = C // self.n_head
@@ -53,8 +71,16 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        if cache is None or cache.length == 0:
+            if cache is not None:
+                cache.append(k, v)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:  # the new tokens attend to every cached position and causally to each other
+            past = cache.length
+            k, v = cache.append(k, v)  # (B, nh, past + T, hs) each
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, nh, T, hs) -> (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -77,8 +103,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -113,23 +139,36 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: list[LayerKV] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, V)`` and the loss when ``targets`` is given. With ``cache``
+        (from :meth:`new_cache`) ``idx`` continues the cached sequence."""
         B, T = idx.shape  # (B, T)
-        if T > self.config.block_size:
+        start = cache[0].length if cache else 0
+        if start + T > self.config.block_size:
             raise ValueError(
-                f"sequence length {T} exceeds GPTConfig.block_size={self.config.block_size}"
+                f"sequence length {start + T} exceeds GPTConfig.block_size={self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
+        for i, block in enumerate(self.h):
+            x = block(x, cache[i] if cache else None)
         x = self.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
         return logits, loss
+
+    def new_cache(self, batch: int, capacity: int | None = None) -> list[LayerKV]:
+        """An empty per-layer KV cache for ``batch`` sequences of up to ``capacity`` tokens."""
+        c = self.config
+        like = self.lm_head.weight
+        size = capacity or c.block_size
+        return [LayerKV(batch, c.n_head, c.n_embd // c.n_head, size, like) for _ in self.h]
 
     @torch.no_grad()
     def generate(
@@ -138,21 +177,25 @@ class GPT(nn.Module):
         max_new_tokens: int,
         temperature: float = 1.0,
         top_k: int | None = None,
+        use_cache: bool = True,
     ) -> torch.Tensor:
-        """Simple reference sampler (no KV cache); the inference engine is the fast path."""
+        """Append ``max_new_tokens`` sampled tokens (greedy at ``temperature <= 0``).
+
+        Decodes incrementally with a KV cache while the whole sequence fits in
+        ``block_size``; past that it recomputes the last ``block_size`` tokens every step.
+        """
+        if use_cache and idx.size(1) + max_new_tokens <= self.config.block_size:
+            cache = self.new_cache(idx.size(0), idx.size(1) + max_new_tokens)
+            logits, _ = self(idx, cache=cache)  # prefill: (B, T, V)
+            for step in range(max_new_tokens):
+                nxt = _pick_next(logits[:, -1, :].float(), temperature, top_k)  # (B, 1)
+                idx = torch.cat((idx, nxt), dim=1)
+                if step + 1 < max_new_tokens:
+                    logits, _ = self(nxt, cache=cache)  # (B, 1, V)
+            return idx
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size :]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :].float()
-            if temperature <= 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, nxt), dim=1)
+            logits, _ = self(idx[:, -self.config.block_size :])
+            idx = torch.cat((idx, _pick_next(logits[:, -1, :].float(), temperature, top_k)), dim=1)
         return idx
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -183,3 +226,14 @@ class GPT(nn.Module):
         state["lm_head.weight"] = state["wte.weight"]
         model.load_state_dict(state, strict=True)
         return model
+
+
+def _pick_next(logits: torch.Tensor, temperature: float, top_k: int | None) -> torch.Tensor:
+    """Next token ids ``(B, 1)`` from last-position logits ``(B, V)``."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)

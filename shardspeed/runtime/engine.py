@@ -116,6 +116,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             activation_checkpointing.configure(mpu, deepspeed_config=config)
         self.training_dataloader = None
         self.reporter = StepReporter(self)
+        self.hybrid = None  # hybrid_engine.enabled: generation phases (runtime/hybrid.py)
+        if config.hybrid_engine.enabled:
+            from shardspeed.runtime.hybrid import HybridGeneration
+
+            pin = config.hybrid_engine.pin_parameters
+            self.hybrid = HybridGeneration(model, self.sharding, pin_parameters=pin)
         log_dist(
             f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
             f"{self.sharding.describe()}, param dtype {self.precision.param_dtype}, "
@@ -432,6 +438,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             return []
         return [g.get("betas", (g.get("momentum"),))[0] for g in self.basic_optimizer.param_groups]
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate`` (DeepSpeed passes it through to the module). With
+        ``hybrid_engine.enabled`` ZeRO-3 weights are gathered once per call."""
+        return self.module.generate(*args, **kwargs)
+
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes held on this rank by category: params, grads, master_params, optimizer_state, buffers."""
         return memory_breakdown(self)
@@ -612,6 +623,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """
         self.sharding.remove()
         self.reducer.remove_hooks()
+        if self.hybrid is not None:
+            self.hybrid.remove()
         self.reporter.close()
         self.wait_checkpoint()
         self.offload.close()  # finish swap I/O, delete swap files

@@ -377,6 +377,7 @@ class FetchCoordinator:
         self.prev_order: list[int] = []
         self.order: list[int] = []
         self.prefetch_ok = True
+        self.paused = False  # the hybrid engine gathered everything: hooks stand aside
         self._handles: list[object] = []
 
     def install(self) -> None:
@@ -461,6 +462,8 @@ class FetchCoordinator:
 
     # -- hooks ------------------------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: object) -> None:
+        if self.paused:
+            return
         if not _in_backward():
             self.order = []
             self.prefetch_ok = True
@@ -469,6 +472,8 @@ class FetchCoordinator:
             self.prefetch(self.units[self.prev_order[0]])
 
     def _root_post(self, module: nn.Module, args: object, output: object) -> None:
+        if self.paused:
+            return
         if not _in_backward():
             self.prev_order = self.order
         grad = torch.is_grad_enabled()
@@ -478,6 +483,8 @@ class FetchCoordinator:
 
     def _make_pre(self, unit: Unit):  # noqa: ANN202 - hook closure
         def hook(module: nn.Module, args: object) -> None:
+            if self.paused:
+                return
             if _in_backward():  # e.g. activation-checkpoint recomputation
                 self.fetch(unit, "gather (recompute)")
                 return
@@ -505,6 +512,8 @@ class FetchCoordinator:
 
     def _make_post(self, unit: Unit):  # noqa: ANN202 - hook closure
         def hook(module: nn.Module, args: object, output: object) -> None:
+            if self.paused:
+                return
             if torch.is_grad_enabled():
                 leaves = torch.utils._pytree.tree_leaves(output)
                 tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -153,7 +153,7 @@ EXPECTED_REFUSED = {
     "zero_optimization.compute_grad_norm",
     "zero_optimization.zenflow",
     "tensor_parallel.tp.tp_size",
-    "hybrid_engine.enabled",
+    "hybrid_engine.inference_tp_size",
     "comet.enabled",
     *(key for key, entry in UNMODELLED_KEYS.items() if entry.reject_when_enabled),
 }
@@ -177,7 +177,7 @@ def test_aliases_and_legacy_names_resolve_to_registered_keys():
 
 def test_status_counts_and_refused_set_are_pinned():
     counts = {s: len(keys_with_status(s)) for s in KeyStatus}
-    assert counts == {KeyStatus.USED: 98, KeyStatus.REFUSED: 31, KeyStatus.IGNORED_KNOB: 90}
+    assert counts == {KeyStatus.USED: 100, KeyStatus.REFUSED: 31, KeyStatus.IGNORED_KNOB: 88}
     assert set(keys_with_status(KeyStatus.REFUSED)) == EXPECTED_REFUSED
     for path, rule in KEY_STATUS.items():
         assert rule.reason, path
@@ -235,7 +235,7 @@ REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "zero_optimization.compute_grad_norm": (False, {"zero_optimization": {"stage": 2}}),
     "zero_optimization.zenflow": ({"topk_ratio": 0.1}, {}),
     "tensor_parallel.tp.tp_size": (2, {}),
-    "hybrid_engine.enabled": (True, {}),
+    "hybrid_engine.inference_tp_size": (2, {}),
     "comet.enabled": (True, {}),
     **{
         key: ({"enabled": True}, {})
@@ -268,7 +268,7 @@ def test_refused_key_with_a_non_default_value_raises(path: str):
         {"bf16": {"enabled": True}, "data_types": {"param_dtype": "bfloat16"}},
         {"data_types": {"keep_in_fp32_modules": []}},
         {"zero_optimization": {"stage": 2, "zero_quantized_weights": False}},
-        {"hybrid_engine": {"enabled": False}, "comet": {"enabled": False}},
+        {"hybrid_engine": {"enabled": True, "inference_tp_size": 1}, "comet": {"enabled": False}},
         {"amp": {"enabled": False}, "gradient_allreduce_op": "mean"},
     ],
 )
@@ -282,16 +282,16 @@ def test_refused_errors_are_collected_into_one_message():
             {
                 "train_batch_size": 8,
                 "tensor_parallel": {"tp": {"tp_size": 2}},
-                "hybrid_engine": {"enabled": True},
+                "hybrid_engine": {"enabled": True, "inference_tp_size": 2},
             }
         )
     paths = [i.path for i in info.value.issues]
-    assert sorted(paths) == ["hybrid_engine.enabled", "tensor_parallel.tp.tp_size"]
+    assert sorted(paths) == ["hybrid_engine.inference_tp_size", "tensor_parallel.tp.tp_size"]
 
 
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ConfigError, match="hybrid_engine.enabled"):
-        ShardSpeedConfig(train_batch_size=8, hybrid_engine={"enabled": True})
+    with pytest.raises(ConfigError, match="hybrid_engine.inference_tp_size"):
+        ShardSpeedConfig(train_batch_size=8, hybrid_engine={"inference_tp_size": 2})
 
 
 # ----------------------------------------------------------------------------------------------
