@@ -38,6 +38,8 @@ _LAZY_ATTRS = {
     "config": ("shardspeed.config", None),
     "Topology": ("shardspeed.topology", "Topology"),
     "tp_model_init": ("shardspeed.parallel.tensor.autotp", "tp_model_init"),
+    "init_inference": ("shardspeed.inference.init_engine", "init_inference"),
+    "InferenceEngine": ("shardspeed.inference.engine", "InferenceEngine"),  # DeepSpeed's v1
     "sequence": ("shardspeed.sequence", None),
     # DeepSpeed's top-level names and eagerly imported subpackages
     "DeepSpeedEngine": ("shardspeed.runtime.engine", "DeepSpeedEngine"),

@@ -1,4 +1,4 @@
-"""ShardSpeed inference: the FastGen-style engine, the ``pipeline()`` API and the server.
+"""ShardSpeed inference: the FastGen-style engine, ``pipeline()``, the server, ``init_inference``.
 
 Everything loads lazily, so ``import shardspeed.inference`` stays cheap::
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from shardspeed._submodules import load_submodule
+
 _LAZY_ATTRS = {
     # name -> (module, attribute)
     "pipeline": ("shardspeed.inference.serving.pipeline", "pipeline"),
@@ -23,14 +25,18 @@ _LAZY_ATTRS = {
     "EngineConfig": ("shardspeed.inference.fastgen.engine", "EngineConfig"),
     "SamplingParams": ("shardspeed.inference.fastgen.sampling_params", "SamplingParams"),
     "RequestOutput": ("shardspeed.inference.fastgen.outputs", "RequestOutput"),
+    # init_inference (DeepSpeed's v1 engine; its class lives at shardspeed.inference.engine)
+    "init_inference": ("shardspeed.inference.init_engine", "init_inference"),
+    "InferenceEngineV1": ("shardspeed.inference.engine", "InferenceEngine"),
+    "DeepSpeedInferenceConfig": ("shardspeed.inference.config", "DeepSpeedInferenceConfig"),
 }
 
 __all__ = list(_LAZY_ATTRS)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _LAZY_ATTRS:
-        raise AttributeError(f"module 'shardspeed.inference' has no attribute {name!r}")
+    if name not in _LAZY_ATTRS:  # a submodule (``deepspeed.inference.engine``) or an error
+        return load_submodule(__name__, name)
     module_name, attr = _LAZY_ATTRS[name]
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
