@@ -19,6 +19,8 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# Triton for the sparse-attention kernel tests, unless torch brought its own (CUDA builds)
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q -e '.[triton]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,6 +14,16 @@ def _cuda_available() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Without a GPU, Triton kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET`` is
+    read when ``triton`` is first imported, which may happen anywhere in the session (e.g.
+    through ``torch.compile``), so it is set before any test runs."""
+    import os
+
+    if not _cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip ``@pytest.mark.gpu`` tests when no CUDA device is present."""
     if _cuda_available():

@@ -1,8 +1,9 @@
 """Block-sparse self-attention with DeepSpeed's API (``deepspeed.ops.sparse_attention``).
 
 DeepSpeed removed this package in 0.19.7; shardspeed keeps its classes and exact layouts and
-runs them on any device with a pure-PyTorch kernel that computes only the layout's blocks.
-See ``docs/sparse_attention.md``.
+runs them with kernels that compute only the layout's blocks: a Triton kernel on CUDA
+(``triton_kernels.py``) and a pure-PyTorch one elsewhere (``kernel_choice.py`` picks). See
+``docs/sparse_attention.md``.
 
 >>> from shardspeed.ops.sparse_attention import FixedSparsityConfig, SparseSelfAttention
 >>> attn = SparseSelfAttention(FixedSparsityConfig(num_heads=4, block=16), max_seq_length=256)

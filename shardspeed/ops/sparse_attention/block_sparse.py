@@ -17,6 +17,10 @@ and work scales with the number of non-zero blocks. ``dq`` is written row by row
 Masks arrive here already additive (0 keeps, -inf drops); the module converts DeepSpeed's
 ``add``/``mul`` modes. A query row whose every allowed score is -inf (no block in the layout,
 or every key masked) outputs zeros and gets zero gradients, where dense softmax gives NaN.
+
+:func:`block_sparse_attention` is the entry point of both kernels: on CUDA it runs the fused
+Triton kernel (``triton_attention.py``) when Triton is available; ``kernel_choice.py`` says
+when and how to force either.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from shardspeed.ops.sparse_attention.block_plan import BlockPlan, RowBucket, build_plan
+from shardspeed.ops.sparse_attention.kernel_choice import choose_kernel
 
 DEFAULT_CHUNK_ELEMENTS = 1 << 19
 """Elements in the largest per-chunk tensor (2 MiB in fp32): the working set of one chunk is a
@@ -293,6 +298,7 @@ def block_sparse_attention(
     key_padding_bias: torch.Tensor | None = None,
     attn_bias: torch.Tensor | None = None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Attention of (B, H, L, D) inputs restricted to ``layout``'s blocks.
 
@@ -303,7 +309,11 @@ def block_sparse_attention(
         rpe: additive (B|1, H|1, L, L) bias (relative position embedding); gets a gradient.
         key_padding_bias: additive (B, L) bias applied to every query row.
         attn_bias: additive (L, L), (B, L, L) or (B|1, H|1, L, L) bias; no gradient.
-        chunk_elements: size of the per-chunk working set; smaller saves memory.
+        chunk_elements: size of the per-chunk working set of the PyTorch kernel; smaller
+            saves memory (the Triton kernel works one block at a time and has no chunks).
+        kernel: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"triton"`` or
+            ``"torch"``; default: env ``SHARDSPEED_SPARSE_ATTENTION_KERNEL``, else auto.
+            See ``kernel_choice.py``.
 
     Returns:
         (B, H, L, D) attention output; rows with no allowed key are zero.
@@ -326,7 +336,8 @@ def block_sparse_attention(
             f"{num_heads} heads and sequence length {seq_len}; build the layout with "
             "make_layout(seq_len) of a config whose num_heads matches the input."
         )
-    if plan.buckets and plan.buckets[0].rows.device != query.device:
+    use_triton = choose_kernel(kernel, query, seq_len // plan.num_blocks) == "triton"
+    if not use_triton and plan.buckets and plan.buckets[0].rows.device != query.device:
         plan = plan.to(query.device)
     if scale is None:
         scale = head_dim**-0.5
@@ -340,6 +351,15 @@ def block_sparse_attention(
                 f"key_padding_mask has shape {tuple(key_padding_bias.shape)}; expected "
                 f"(batch, seq_len) = ({batch}, {seq_len})."
             )
+    if use_triton:
+        from shardspeed.ops.sparse_attention.triton_attention import (
+            triton_block_sparse_attention,
+        )
+
+        return triton_block_sparse_attention(
+            query, key, value, plan, scale=scale, rpe=rpe,
+            key_padding_bias=key_padding_bias, attn_bias=attn_bias,
+        )  # fmt: skip
     return _BlockSparseAttention.apply(
         query, key, value, rpe, key_padding_bias, attn_bias, plan, float(scale), chunk_elements
     )

@@ -1,4 +1,4 @@
-"""``SparseSelfAttention``: DeepSpeed's module, running the pure-PyTorch block-sparse kernel.
+"""``SparseSelfAttention``: DeepSpeed's module on the block-sparse kernels (PyTorch or Triton).
 
 The module builds one *master layout* for ``max_seq_length`` at construction (a persistent
 buffer, as in DeepSpeed, so checkpoints carry it) and serves shorter sequences from its
@@ -20,6 +20,7 @@ from torch import nn
 
 from shardspeed.ops.sparse_attention.block_plan import BlockPlan, build_plan
 from shardspeed.ops.sparse_attention.block_sparse import block_sparse_attention
+from shardspeed.ops.sparse_attention.kernel_choice import requested_kernel
 from shardspeed.ops.sparse_attention.layout_math import num_blocks_for
 from shardspeed.ops.sparse_attention.sparsity_config import SparsityConfig
 
@@ -62,6 +63,8 @@ class SparseSelfAttention(nn.Module):
         key_padding_mask_mode: ``"add"`` or ``"mul"`` (see the module docstring).
         attn_mask_mode: ``"add"`` or ``"mul"``.
         max_seq_length: the longest sequence served; sizes the master layout.
+        kernel: ``"auto"``, ``"triton"`` or ``"torch"`` (not in DeepSpeed); default: env
+            ``SHARDSPEED_SPARSE_ATTENTION_KERNEL``, else auto (Triton on CUDA when available).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class SparseSelfAttention(nn.Module):
         key_padding_mask_mode: str = "add",
         attn_mask_mode: str = "mul",
         max_seq_length: int = 2048,
+        kernel: str | None = None,
     ):
         super().__init__()
         if not isinstance(sparsity_config, SparsityConfig):
@@ -83,6 +87,7 @@ class SparseSelfAttention(nn.Module):
         self.key_padding_mask_mode = key_padding_mask_mode
         self.attn_mask_mode = attn_mask_mode
         self.max_seq_length = max_seq_length
+        self.kernel = None if kernel is None else requested_kernel(kernel)
         self.register_buffer("master_layout", sparsity_config.make_layout(max_seq_length))
         self._need_layout_synchronization = _has_random_blocks(sparsity_config)
         self._plans: dict[tuple[int, torch.device], BlockPlan] = {}
@@ -179,6 +184,7 @@ class SparseSelfAttention(nn.Module):
             rpe=rpe,
             key_padding_bias=key_padding_bias,
             attn_bias=attn_bias,
+            kernel=self.kernel,
         )
 
 
