@@ -50,6 +50,7 @@ _LAZY_ATTRS = {
     "runtime": ("shardspeed.runtime", None),
     "checkpoint": ("shardspeed.checkpoint", None),
     "accelerator": ("shardspeed.accelerator", None),
+    "launcher": ("shardspeed.launcher", None),
     "git_version_info": ("shardspeed.git_version_info", None),
 }
 

@@ -125,12 +125,20 @@ def take_snapshot(
             "dp_world_size": engine.dp_world_size,
             "stage": engine.stage,
             "global_steps": engine.global_steps,
+            "mesh": mesh_shape(engine),
         },
         fsync=fsync,
     )
 
 
 RANK_LOCAL_PREFIX = "rank_local/"
+MESH_AXES = ("pipe", "data", "sequence", "tensor")
+
+
+def mesh_shape(engine: Any) -> dict[str, int] | None:
+    """The engine's mesh degrees by axis (recorded in the manifest), or None without one."""
+    topology = getattr(engine, "topology", None)
+    return None if topology is None else {axis: topology.size(axis) for axis in MESH_AXES}
 
 
 def _rank_local_tensors(engine: Any) -> dict[str, torch.Tensor]:

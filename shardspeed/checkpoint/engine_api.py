@@ -26,6 +26,7 @@ from shardspeed.checkpoint.commit import (
     RANK_LOCAL_PREFIX,
     commit,
     failed_ranks,
+    mesh_shape,
     take_snapshot,
     write_rank_files,
 )
@@ -38,6 +39,7 @@ from shardspeed.checkpoint.format import (
     resolve_tag,
 )
 from shardspeed.checkpoint.integrity import verify_tag_distributed
+from shardspeed.checkpoint.recovery_script import wants_recovery_script, write_recovery_script
 from shardspeed.checkpoint.shards import SliceReader, load_fragments, trainable_ids
 from shardspeed.checkpoint.state import restore_engine_state, restore_rng_state
 from shardspeed.utils.logging import get_logger, log_dist
@@ -152,6 +154,8 @@ def save_checkpoint(
     except Exception:
         failed_ranks(False, rank, world, saver.group)  # the others' commit fails, not hangs
         raise
+    if rank == 0 and wants_recovery_script(engine.stage, engine.bfloat16_enabled()):
+        write_recovery_script(save_dir)  # DeepSpeed's zero_to_fp32.py next to the tags
     if async_save:
         saver.submit(snap)
         log_dist(f"saving checkpoint {save_dir / tag} in the background")
@@ -185,6 +189,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     *,
     verify_checksums: bool | None = None,
+    restore_rng: bool = False,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size / ZeRO stage 0-3 / pipeline layout into ``engine``.
 
@@ -192,6 +197,11 @@ def load_checkpoint(
     ``load_dir`` holds no finished checkpoint. Every rank file's sha256 is verified first
     (the ranks share the work) unless ``verify_checksums`` is False (default: True, or
     False when the environment sets ``SHARDSPEED_CKPT_VERIFY=0``).
+
+    ``restore_rng``: also restore each rank's global torch (and CUDA) RNG state saved with
+    the checkpoint, when the layout is unchanged, for an exact resume (with the dataloader's
+    ``exact_resume``). Default False, as DeepSpeed, which restores no RNG state
+    (``engine.load_checkpoint`` never does).
     """
     wait_pending(engine, raise_error=False)  # the save may target load_dir; log a failure
     load_dir = Path(load_dir)
@@ -205,7 +215,9 @@ def load_checkpoint(
     if _verify_default() if verify_checksums is None else verify_checksums:
         group = save_coordinator(engine).group
         verify_tag_distributed(tag_dir, manifest, rank=rank, world_size=_world(), group=group)
-    same_topology = manifest["world_size"] == _world()
+    # rank-local state (RNG, 1-bit optimizer error feedback) is reused only on the same mesh
+    mesh = manifest.get("mesh")  # absent in checkpoints saved before it was recorded
+    same_topology = manifest["world_size"] == _world() and mesh in (None, mesh_shape(engine))
     own = read_json(tag_dir / f"{rank_stem(rank if same_topology else 0)}.json")
     reader = SliceReader(tag_dir)
     optimizer_states = load_optimizer_states and not load_module_only
@@ -222,12 +234,13 @@ def load_checkpoint(
             optimizer_states=optimizer_states,
             scheduler_states=load_lr_scheduler_states,
         )
-        if same_topology:
+        if same_topology and restore_rng:
             restore_rng_state(own["rng"])
     _barrier()
     log_dist(
         f"loaded checkpoint {tag_dir} (saved at world {manifest['world_size']} stage "
-        f"{manifest['stage']}; now world {_world()} stage {engine.stage})"
+        f"{manifest['stage']} mesh {mesh}; now world {_world()} stage {engine.stage} mesh "
+        f"{mesh_shape(engine)})"
     )
     return str(tag_dir), join_client_state(own["client_state"], client)
 

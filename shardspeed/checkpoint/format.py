@@ -22,6 +22,7 @@ from shardspeed.checkpoint.integrity import (
     inside,
     read_tag_file,
 )
+from shardspeed.checkpoint.tp_placement import add_to_index, sort_pieces
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -43,8 +44,11 @@ def rank_stem(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def tensor_key(name: str, kind: str, start: int, end: int) -> str:
-    """The safetensors key of one fragment: elements [start, end) of flattened ``name``."""
+def tensor_key(name: str, kind: str, start: int, end: int, tp_rank: int | None = None) -> str:
+    """The safetensors key of one fragment: elements [start, end) of flattened ``name`` (of
+    tensor rank ``tp_rank``'s shard of it, for a tensor-parallel parameter)."""
+    if tp_rank is not None:
+        return f"{name}|{kind}|tp{tp_rank}|{start}-{end}"
     return f"{name}|{kind}|{start}-{end}"
 
 
@@ -143,7 +147,12 @@ def load_manifest(tag_dir: Path) -> dict[str, Any]:
 
 
 def build_index(rank_metas: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{name: {"shape", "dtype", "kinds": {kind: [[file, key, start, end], ...]}}}``."""
+    """``{name: {"shape", "dtype", "kinds": {kind: [[file, key, start, end], ...]}}}``.
+
+    Fragments of tensor-parallel shards (entries with ``"tp"``) are filed per tensor rank
+    under the entry's ``"tp"`` (:mod:`shardspeed.checkpoint.tp_placement`).
+    """
+
     index: dict[str, dict[str, Any]] = {}
     seen: set[str] = set()  # tensor keys already indexed
     for meta in rank_metas:
@@ -158,12 +167,15 @@ def build_index(rank_metas: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if entry["key"] in seen:
                 continue  # the same range saved by two ranks (a buffer of a tied module)
             seen.add(entry["key"])
-            item["kinds"].setdefault(entry["kind"], []).append(
-                [meta["file"], entry["key"], entry["start"], entry["end"]]
-            )
+            piece = [meta["file"], entry["key"], entry["start"], entry["end"]]
+            if "tp" in entry:
+                add_to_index(item, entry, piece)
+            else:
+                item["kinds"].setdefault(entry["kind"], []).append(piece)
     for item in index.values():
         for pieces in item["kinds"].values():
             pieces.sort(key=lambda p: p[2])
+        sort_pieces(item)
     return index
 
 

@@ -98,8 +98,10 @@ def check_file_names(tag_dir: Path, manifest: dict[str, Any]) -> None:
     """Every file the manifest names is a plain name inside ``tag_dir``."""
     names = [*manifest.get("files", []), *(manifest.get(CHECKSUMS) or {})]
     for item in manifest.get("index", {}).values():
-        for pieces in item.get("kinds", {}).values():
-            names.extend(piece[0] for piece in pieces)
+        holders = [item, *item.get("tp", {}).get("shards", [])]  # tensor-parallel shards
+        for holder in holders:
+            for pieces in holder.get("kinds", {}).values():
+                names.extend(piece[0] for piece in pieces)
     plain: set[str] = set()
     for name in names:
         if not isinstance(name, str) or "/" in name or "\\" in name:

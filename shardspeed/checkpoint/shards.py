@@ -5,7 +5,8 @@ flattened), named by parameter name, kind (``master`` or an optimizer state key 
 ``exp_avg``) and the element range [start, end) of the flattened parameter. Loading maps
 this rank's fragments of the *new* layout (each sharding group's ``master_fragments``,
 see :mod:`shardspeed.zero.fragments`) onto the stored ranges, so any world size and any
-stage 0-3 loads any other.
+stage 0-3 loads any other. Tensor-parallel parameters are stored per tensor rank and
+resharded across tensor-parallel degrees (:mod:`shardspeed.checkpoint.tp_placement`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from shardspeed.checkpoint.format import (
     tensor_key,
 )
 from shardspeed.checkpoint.integrity import inside, unreadable_file
+from shardspeed.checkpoint.tp_placement import LocalReader, Placement, read_full
 from shardspeed.zero.fragments import MasterFragment, param_fragments
 
 
@@ -47,21 +49,39 @@ def tied_aliases(module: nn.Module) -> dict[str, str]:
     }
 
 
-def master_fragments(engine: Any) -> Iterator[MasterFragment]:
-    """This rank's master fragments, as the engine's sharding layout places them."""
+def tensor_rank(engine: Any) -> int:
+    """This rank's coordinate on the engine's tensor axis (0 without tensor parallelism)."""
+    topology = getattr(engine, "topology", None)
+    return topology.rank_in("tensor") if topology is not None else 0
+
+
+def master_fragments(engine: Any) -> Iterator[tuple[MasterFragment, Placement | None]]:
+    """This rank's master fragments, as the engine's sharding layout places them, each with
+    its tensor-parallel placement (None: the parameter is whole on every tensor rank).
+
+    A fragment's ``shape``/``start`` are in the local tensor: this rank's shard of a
+    tensor-parallel parameter."""
     names = param_names(engine.module)
     replicated = _replicated_ids(engine)
+    t_rank = tensor_rank(engine)
     for group in engine.flat_groups:
         for f in param_fragments(group):
-            yield MasterFragment(
-                name=names[id(f.param)],
-                shape=list(f.shape),
-                start=f.start,
-                length=f.length,
-                master=group.masters[f.master_index],
-                local=f.local,
-                # stage 0 replicas: rank 0 writes; a pipeline's tied copies: another stage
-                writes=(f.sharded or engine.dp_rank == 0) and id(f.param) not in replicated,
+            placement = Placement.of(f.param, t_rank)
+            # stage 0 replicas: data rank 0 writes; parameters replicated over the tensor
+            # axis: tensor rank 0; a pipeline's tied copies: another stage
+            owner = f.sharded or engine.dp_rank == 0
+            owner = owner and (placement is not None or t_rank == 0)
+            yield (
+                MasterFragment(
+                    name=names[id(f.param)],
+                    shape=list(f.shape),
+                    start=f.start,
+                    length=f.length,
+                    master=group.masters[f.master_index],
+                    local=f.local,
+                    writes=owner and id(f.param) not in replicated,
+                ),
+                placement,
             )
 
 
@@ -112,20 +132,32 @@ class FragmentWriter:
             torch.cuda.synchronize(device)
         self._devices.clear()
 
-    def add(self, name: str, kind: str, shape: list[int], start: int, data: torch.Tensor) -> None:
-        key = tensor_key(name, kind, start, start + data.numel())
+    def add(
+        self,
+        name: str,
+        kind: str,
+        shape: list[int],
+        start: int,
+        data: torch.Tensor,
+        placement: Placement | None = None,
+    ) -> None:
+        """Store ``data`` as elements [start, ...) of flattened ``name`` of local ``shape``
+        (with ``placement``: of this tensor rank's shard; the entry gets the full shape)."""
+        tp_rank = None if placement is None else placement.rank
+        key = tensor_key(name, kind, start, start + data.numel(), tp_rank)
         self.tensors[key] = self._host_copy(data)
-        self.entries.append(
-            {
-                "key": key,
-                "name": name,
-                "kind": kind,
-                "shape": shape,
-                "start": start,
-                "end": start + data.numel(),
-                "dtype": dtype_name(data.dtype),
-            }
-        )
+        entry = {
+            "key": key,
+            "name": name,
+            "kind": kind,
+            "shape": shape if placement is None else placement.full_shape(shape),
+            "start": start,
+            "end": start + data.numel(),
+            "dtype": dtype_name(data.dtype),
+        }
+        if placement is not None:
+            entry["tp"] = placement.to_json(shape)
+        self.entries.append(entry)
 
 
 def _scalar_state(value: Any, master: torch.Tensor) -> dict[str, Any]:
@@ -169,7 +201,7 @@ def _collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: b
                 if not _is_elementwise_state(v, master):
                     group_scalars.setdefault(k, _scalar_state(v, master))
         scalars.append(group_scalars)
-    for frag in master_fragments(engine):
+    for frag, placement in master_fragments(engine):
         if not frag.writes:
             continue
         sources = {KIND_MASTER: frag.master}
@@ -179,15 +211,18 @@ def _collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: b
                     sources[k] = v
         for kind, src in sources.items():
             piece = src.reshape(-1)[frag.local : frag.local + frag.length]
-            writer.add(frag.name, kind, frag.shape, frag.start, piece)
+            writer.add(frag.name, kind, frag.shape, frag.start, piece, placement)
     if engine.dp_rank == 0:  # rank 0 of each pipeline stage; duplicates are dropped by the index
+        t_rank = tensor_rank(engine)
         trainable = trainable_ids(engine)
         if not exclude_frozen:
             for name, p in engine.module.named_parameters():
-                if id(p) not in trainable:
-                    writer.add(name, KIND_PARAM, list(p.shape), 0, p)
-        for name, b in persistent_buffers(engine.module).items():
-            writer.add(name, KIND_BUFFER, list(b.shape), 0, b)
+                placement = Placement.of(p, t_rank)
+                if id(p) not in trainable and (placement is not None or t_rank == 0):
+                    writer.add(name, KIND_PARAM, list(p.shape), 0, p, placement)
+        if t_rank == 0:  # buffers are whole on every tensor rank
+            for name, b in persistent_buffers(engine.module).items():
+                writer.add(name, KIND_BUFFER, list(b.shape), 0, b)
     return scalars
 
 
@@ -228,11 +263,17 @@ class SliceReader:
                 f"[{start}, {start + dest.numel()}); the checkpoint is incomplete or corrupt."
             )
 
+    def dtype(self, entry: dict[str, Any]) -> torch.dtype:
+        return dtype_from_name(entry["dtype"])
+
     def full(self, entry: dict[str, Any], kind: str, name: str) -> torch.Tensor:
+        """The whole stored tensor (a tensor-parallel one assembled from its shards)."""
+        if "tp" in entry:
+            return read_full(self, entry, kind, name)
         numel = 1
         for d in entry["shape"]:
             numel *= d
-        out = torch.empty(numel, dtype=dtype_from_name(entry["dtype"]))
+        out = torch.empty(numel, dtype=self.dtype(entry))
         self.fill(out, entry["kinds"][kind], 0, f"{name} ({kind})")
         return out.view(entry["shape"])
 
@@ -273,7 +314,8 @@ def _load_fragments(
         for g in engine.flat_groups
         for m in g.masters
     }
-    for frag in master_fragments(engine):
+    local = LocalReader(reader)  # reshards tensor-parallel parameters when the split differs
+    for frag, placement in master_fragments(engine):
         entry = index.get(frag.name)
         if entry is None or KIND_MASTER not in entry["kinds"]:
             raise ValueError(
@@ -281,22 +323,23 @@ def _load_fragments(
                 "was saved from a different model. Load the matching model or use "
                 "get_fp32_state_dict_from_checkpoint and load_state_dict(strict=False)."
             )
-        if list(entry["shape"]) != frag.shape:
+        shape = frag.shape if placement is None else placement.full_shape(frag.shape)
+        if list(entry["shape"]) != shape:
             raise ValueError(
-                f"parameter {frag.name!r} has shape {frag.shape} but the checkpoint stores "
+                f"parameter {frag.name!r} has (full) shape {shape} but the checkpoint stores "
                 f"{entry['shape']}; the model architecture differs from the saved one."
             )
         span = slice(frag.local, frag.local + frag.length)
         with torch.no_grad():
             dest = frag.master.view(-1)[span]
-            reader.fill(dest, entry["kinds"][KIND_MASTER], frag.start, f"{frag.name} (master)")
+            local.fill(dest, entry, KIND_MASTER, frag.name, frag.start, placement)
             if opt is None:
                 continue
             for kind in kinds:
                 if kind not in entry["kinds"]:
                     raise ValueError(f"checkpoint lacks optimizer state {kind!r} of {frag.name!r}")
                 dest = states[id(frag.master)][kind].view(-1)[span]
-                reader.fill(dest, entry["kinds"][kind], frag.start, f"{frag.name} ({kind})")
+                local.fill(dest, entry, kind, frag.name, frag.start, placement)
     saved_scalars = manifest.get("optimizer_scalars", [])
     for g_idx, group in enumerate(engine.flat_groups if opt is not None else []):
         scalars = saved_scalars[g_idx] if g_idx < len(saved_scalars) else {}
@@ -319,13 +362,14 @@ def _load_full_tensors(
     }
     targets.update({n: (b, KIND_BUFFER) for n, b in persistent_buffers(engine.module).items()})
     missing = []
+    local, t_rank = LocalReader(reader), tensor_rank(engine)
     for name, (tensor, kind) in targets.items():
         entry = index.get(name)
         if entry is None or kind not in entry["kinds"]:
             missing.append(name)
             continue
         with torch.no_grad():
-            tensor.copy_(reader.full(entry, kind, name))
+            tensor.copy_(local.tensor(entry, kind, name, Placement.of(tensor, t_rank)))
     if missing and strict:
         raise ValueError(
             f"checkpoint lacks frozen parameters/buffers {missing}; it was saved with "

@@ -21,6 +21,16 @@ _DP_HINT = (
     "parallel degrees); check the WORLD_SIZE your launcher exported"
 )
 
+# A tool that filled "auto" batch values counted one process while dp > 1: what Accelerate
+# does on a CPU-only machine unless it is told the job is a CPU job.
+_ONE_PROCESS_HINT = (
+    f"{TBS} equals {MICRO} * {GAS}, as if for one process: when the Hugging Face Trainer or "
+    "Accelerate filled these values on a machine without GPUs, pass use_cpu=True "
+    "(`--use_cpu`) to TrainingArguments, or create accelerate.PartialState(cpu=True) before "
+    "the Accelerator, so Accelerate counts every rank (not the ACCELERATE_USE_CPU variable: "
+    "it turns DeepSpeed off)"
+)
+
 
 def _error(path: str, message: str) -> ConfigError:
     return ConfigError.from_issues([ConfigIssue(path, message)], header="Invalid batch size")
@@ -127,5 +137,7 @@ def resolve_batch_triple(
         if tbs % (gas * dp) == 0:
             options.append(f"set {MICRO} to {tbs // (gas * dp)}")
         options.append(f"give only two of the three keys; {_DP_HINT}")
+        if dp > 1 and tbs == micro * gas:
+            options.append(_ONE_PROCESS_HINT)
         raise _error(TBS, explain(core + how, fix=", or ".join(options)))
     return tbs, micro, gas

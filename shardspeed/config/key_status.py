@@ -436,6 +436,7 @@ KEY_STATUS: dict[str, KeyRule] = {
         "hybrid_engine.enabled",
         "hybrid_engine.pin_parameters",
     ),
+    **_used("runtime/engine.py (the clipping norm of expert groups)", "moe.grad_norm"),
     **_refused(
         "hybrid_engine.inference_tp_size",
         "tensor-parallel generation inside the hybrid engine is not implemented",

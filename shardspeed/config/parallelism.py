@@ -1,8 +1,8 @@
-"""``tensor_parallel`` (AutoTP training) and ``hybrid_engine`` (train + generate) blocks."""
+"""``tensor_parallel`` (AutoTP training), ``hybrid_engine`` (train + generate) and ``moe`` blocks."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -63,3 +63,16 @@ class HybridEngineConfig(ConfigModel):
         8, ge=1, description="Layers gathered at once when switching to generation."
     )
     enable_cuda_graph: bool = Field(False, description="Capture generation in CUDA graphs.")
+
+
+class MoEConfig(ConfigModel):
+    """``moe``: ShardSpeed's options for MoE training (DeepSpeed has no such block)."""
+
+    json_key = "moe"
+
+    grad_norm: Literal["deepspeed", "global"] = Field(
+        "deepspeed",
+        description="Clipping norm with expert groups: 'deepspeed' reproduces DeepSpeed 0.19.8 "
+        "(at ZeRO 0 the data ranks' own norms averaged, below the true norm), 'global' the "
+        "true global norm at every stage.",
+    )

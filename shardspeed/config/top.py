@@ -35,7 +35,7 @@ from shardspeed.config.monitoring import (
     WandbConfig,
 )
 from shardspeed.config.optimizer import OptimizerConfig, SchedulerConfig
-from shardspeed.config.parallelism import HybridEngineConfig, TensorParallelConfig
+from shardspeed.config.parallelism import HybridEngineConfig, MoEConfig, TensorParallelConfig
 from shardspeed.config.pipeline import PipelineConfig
 from shardspeed.config.precision import (
     BF16Config,
@@ -181,6 +181,7 @@ class ShardSpeedConfig(ConfigModel):
     hybrid_engine: HybridEngineConfig = Field(
         default_factory=HybridEngineConfig, description="Train + generate engine (RLHF)."
     )
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="MoE training options.")
     sequence_parallel_size: Int | None = Field(
         None, ge=1, description="Ulysses sequence-parallel degree."
     )

@@ -8,6 +8,14 @@ the ``deepspeed`` launcher. ``shardspeed report`` prints the environment. See
 
 from __future__ import annotations
 
+from types import ModuleType
+
+from shardspeed._submodules import load_submodule
 from shardspeed.launcher.errors import LauncherError
 
 __all__ = ["LauncherError"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Submodules on first attribute access (``deepspeed.launcher.runner`` after an import)."""
+    return load_submodule(__name__, name)

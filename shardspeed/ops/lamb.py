@@ -11,13 +11,16 @@ For each parameter tensor ``p`` (step ``t``)::
     ratio = clamp(||p|| / ||u||, min_coeff, max_coeff)          # 1 if either norm is 0
     p = p - lr * ratio * u
 
-The trust ratio uses the norm of the whole tensor, so LAMB is *not* elementwise: it
-cannot run on an arbitrary flat shard of concatenated parameters.
+The trust ratio uses the norm of the whole tensor, so LAMB is *not* elementwise: on the
+ZeRO engine's flat masters (buckets of concatenated parameters, sharded over ranks at
+stages 1-3) it needs to know where each parameter sits. The engine tells it with
+:meth:`Lamb.set_param_segments`; the norms of each parameter are then summed over its
+fragments, and over the ranks that hold the other fragments, before the ratio is taken.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +28,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from shardspeed.ops._validate import check_betas, check_non_negative
+
+# (offset in the flat master, numel, index of the parameter within its param group)
+Fragment = tuple[int, int, int]
 
 
 class Lamb(Optimizer):
@@ -79,6 +85,35 @@ class Lamb(Optimizer):
         )
         super().__init__(params, defaults)
         self._lamb_coeffs: list[Tensor] = []
+        self._fragments: dict[int, list[list[Fragment]]] = {}  # group index -> per master
+        self._norm_groups: dict[int, Any] = {}  # group index -> ranks holding other fragments
+        self._param_counts: dict[int, int] = {}
+        self._segment_ids: dict[tuple[int, int], Tensor] = {}
+
+    def set_param_segments(
+        self,
+        segments: Sequence[Sequence[Sequence[Fragment]]],
+        groups: Sequence[Any] | None = None,
+        param_counts: Sequence[int] | None = None,
+    ) -> None:
+        """Flat masters: ``segments[g][i]`` lists ``(offset, numel, param_index)`` of every
+        parameter fragment inside master ``i`` of param group ``g`` (the same parameter
+        numbering on every rank). ``groups[g]``: the process group whose ranks hold the
+        other fragments of those parameters (ZeRO >= 1), or None when each rank holds whole
+        parameters; per-parameter squared norms are summed over it. ``param_counts[g]``:
+        the number of parameters of group ``g`` (every rank's norm vector has this length;
+        default: one past the largest index given here)."""
+        self._fragments = {
+            g: [[(int(o), int(n), int(i)) for o, n, i in frags if n > 0] for frags in masters]
+            for g, masters in enumerate(segments)
+        }
+        self._norm_groups = dict(enumerate(groups)) if groups is not None else {}
+        self._param_counts = {
+            g: int(param_counts[g]) if param_counts is not None
+            else 1 + max((f[2] for per in masters for f in per), default=-1)
+            for g, masters in self._fragments.items()
+        }  # fmt: skip
+        self._segment_ids = {}
 
     def get_lamb_coeffs(self) -> list[float]:
         """Trust ratios applied by the last :meth:`step`, one per updated parameter."""
@@ -92,7 +127,10 @@ class Lamb(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         coeffs: list[Tensor] = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            if gi in self._fragments:
+                coeffs.append(self._update_flat(gi, group))
+                continue
             by_device: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
             for p in group["params"]:
                 if p.grad is None:
@@ -109,6 +147,55 @@ class Lamb(Optimizer):
 
     def _update(self, group: dict[str, Any], params: list[Tensor]) -> Tensor:
         """Update ``params`` (same device and dtype) in place; return their trust ratios."""
+        updates = self._adam_updates(group, params)
+        # (num_params,) fp32 norms -> clamped trust ratios
+        param_norms = torch.stack(torch._foreach_norm(params)).float()
+        update_norms = torch.stack(torch._foreach_norm(updates)).float()
+        ratios = _trust_ratios(group, param_norms, update_norms)
+        scales = (ratios * -float(group["lr"])).to(params[0].dtype)
+        torch._foreach_mul_(updates, list(scales.unbind()))
+        torch._foreach_add_(params, updates)
+        return ratios
+
+    def _update_flat(self, gi: int, group: dict[str, Any]) -> Tensor:
+        """Flat masters of param group ``gi``: one trust ratio per parameter, its norms
+        summed over its fragments (and over the ranks of ``_norm_groups[gi]``)."""
+        masters = group["params"]
+        live = [i for i, m in enumerate(masters) if m.grad is not None]
+        num_params = self._param_counts[gi]
+        norm_group = self._norm_groups.get(gi)
+        if num_params == 0 or (not live and norm_group is None):
+            return torch.ones(0)
+        params = [masters[i] for i in live]
+        updates = self._adam_updates(group, params) if params else []
+        # squared norms per parameter: (2, num_params + 1); the last slot takes the padding
+        sums = torch.zeros(2, num_params + 1, dtype=torch.float32, device=masters[0].device)
+        ids = [self._ids(gi, i, masters[i], num_params) for i in live]
+        for p, u, seg in zip(params, updates, ids):
+            sums[0].index_add_(0, seg, p.detach().float().square())
+            sums[1].index_add_(0, seg, u.float().square())
+        if norm_group is not None:  # every rank joins, even one without gradients here
+            import torch.distributed as dist
+
+            dist.all_reduce(sums, group=norm_group)
+        ratios = _trust_ratios(group, sums[0, :-1].sqrt(), sums[1, :-1].sqrt())
+        scale = torch.cat([ratios, ratios.new_ones(1)]) * -float(group["lr"])  # (P + 1,)
+        for p, u, seg in zip(params, updates, ids):
+            p.add_(u.mul_(scale[seg].to(u.dtype)))
+        return ratios
+
+    def _ids(self, gi: int, i: int, master: Tensor, num_params: int) -> Tensor:
+        """``(numel,)`` parameter index of every element of master ``i`` (padding: P)."""
+        key = (gi, i)
+        if key not in self._segment_ids:
+            ids = torch.full((master.numel(),), num_params, dtype=torch.long)
+            for offset, numel, index in self._fragments[gi][i]:
+                ids[offset : offset + numel] = index
+            self._segment_ids[key] = ids.to(master.device)
+        return self._segment_ids[key]
+
+    def _adam_updates(self, group: dict[str, Any], params: list[Tensor]) -> list[Tensor]:
+        """Advance the moments of ``params``; return ``u = m_hat / denom + wd * p`` each."""
         beta1, beta2 = group["betas"]
         grads = [p.grad for p in params]
         exp_avgs, exp_avg_sqs, steps = [], [], []
@@ -142,17 +229,13 @@ class Lamb(Optimizer):
         torch._foreach_div_(updates, denoms)  # u = m_hat / denom
         if group["weight_decay"] != 0.0:
             torch._foreach_add_(updates, params, alpha=group["weight_decay"])
+        return updates
 
-        # (num_params,) fp32 norms -> clamped trust ratios
-        param_norms = torch.stack(torch._foreach_norm(params)).float()
-        update_norms = torch.stack(torch._foreach_norm(updates)).float()
-        ratios = (param_norms / update_norms).clamp(group["min_coeff"], group["max_coeff"])
-        ratios = torch.where((param_norms > 0) & (update_norms > 0), ratios, 1.0)
 
-        scales = (ratios * -float(group["lr"])).to(params[0].dtype)
-        torch._foreach_mul_(updates, list(scales.unbind()))
-        torch._foreach_add_(params, updates)
-        return ratios
+def _trust_ratios(group: dict[str, Any], param_norms: Tensor, update_norms: Tensor) -> Tensor:
+    """``||p|| / ||u||`` clamped to [min_coeff, max_coeff]; 1 where either norm is 0."""
+    ratios = (param_norms / update_norms).clamp(group["min_coeff"], group["max_coeff"])
+    return torch.where((param_norms > 0) & (update_norms > 0), ratios, 1.0)
 
 
 class FusedLamb(Lamb):

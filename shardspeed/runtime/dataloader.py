@@ -10,10 +10,23 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class ShardSpeedDataLoader:
-    """Micro-batches of ``dataset`` for this data-parallel rank; reshuffles every epoch.
+    """Micro-batches of ``dataset`` for this data-parallel rank, in DeepSpeed's order.
 
-    Iterating it again advances the sampler's epoch (so each epoch has a new order, the
-    same on every rank). ``state_dict()`` records epoch and position for exact resume.
+    By default it behaves as DeepSpeed 0.19.8's ``DeepSpeedDataLoader`` under a launcher: a
+    ``DistributedSampler`` (shuffle for training, seed 0, the sampler pads the dataset to a
+    multiple of the data-parallel size; ``dataloader_drop_last`` only drops the last short
+    batch) whose epoch is never advanced, so every pass replays the same order; each new
+    iterator draws one number from the global torch RNG (a ``DataLoader`` without its own
+    generator does), and a checkpoint load does not move the position (DeepSpeed restores
+    none). Two explicit options give ShardSpeed's other behaviour:
+
+    Args:
+        reshuffle_each_epoch: advance the sampler's epoch on every pass (a new order per
+            epoch, the same on every rank).
+        exact_resume: iterate with the loader's own generator (the global RNG stream, e.g.
+            dropout, does not depend on when iterators are made) and let ``load_state_dict``
+            restore epoch and position, so a resumed run sees the batches an uninterrupted
+            run would.
     """
 
     def __init__(
@@ -30,15 +43,16 @@ class ShardSpeedDataLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         data_sampler: Any = None,
+        reshuffle_each_epoch: bool = False,
+        exact_resume: bool = False,
     ) -> None:
+        # the sampler pads rather than drops (DeepSpeed builds it without drop_last); the
+        # DataLoader's drop_last drops a last short batch
         self.sampler = data_sampler or DistributedSampler(
-            dataset,
-            num_replicas=dp_world_size,
-            rank=dp_rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
+            dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed
         )
+        self.reshuffle_each_epoch = reshuffle_each_epoch
+        self.exact_resume = exact_resume
         self.loader = DataLoader(
             dataset,
             batch_size=batch_size,
@@ -47,9 +61,7 @@ class ShardSpeedDataLoader:
             num_workers=num_workers,
             pin_memory=pin_memory and torch.cuda.is_available(),
             drop_last=drop_last,
-            # Own generator: iterating must not draw from the global RNG (dropout stream),
-            # or a resumed run would diverge from an uninterrupted one.
-            generator=torch.Generator(),
+            generator=torch.Generator() if exact_resume else None,
         )
         self.epoch = 0
         self.position = 0  # batches consumed in the current epoch
@@ -58,10 +70,15 @@ class ShardSpeedDataLoader:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if hasattr(self.sampler, "set_epoch"):
+        if self.reshuffle_each_epoch and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
-        skip, self.position = self.position, 0
-        for i, batch in enumerate(self.loader):
+        # DeepSpeed: a new iterator starts the pass over; exact_resume continues a pass
+        skip, self.position = (self.position if self.exact_resume else 0), 0
+        batches = iter(self.loader)  # draws its seed now, as DeepSpeed's iter() does
+        return self._run(batches, skip)
+
+    def _run(self, batches: Iterator[Any], skip: int) -> Iterator[Any]:
+        for i, batch in enumerate(batches):
             if i < skip:
                 continue
             self.position = i + 1
@@ -73,8 +90,11 @@ class ShardSpeedDataLoader:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        """Restore epoch and position with ``exact_resume``; otherwise (DeepSpeed) a loaded
+        checkpoint leaves the loader where it is."""
+        if self.exact_resume:
+            self.epoch = int(state["epoch"])
+            self.position = int(state["position"])
 
 
 class RepeatingLoader:

@@ -88,6 +88,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             offload=self.offload.offload_optimizer,
         )
         self._attach_self_reducing_optimizer()
+        self._give_param_segments()
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(
             self.sharding.grad_slots(),
@@ -194,16 +195,29 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 "them. Fix: set zero_optimization.stage to 0 (as DeepSpeed requires)."
             )
         opt.comm_group = self.dp_group
-        if hasattr(opt, "set_param_segments"):
-            opt.set_param_segments(
-                [
-                    [
-                        [(f.local, f.length) for f in param_fragments(g) if f.master_index == i]
-                        for i in range(len(g.masters))
-                    ]
-                    for g in self.flat_groups
-                ]
+
+    def _give_param_segments(self) -> None:
+        """Optimizers with per-parameter norms (LAMB, 1-bit LAMB) step flat masters: tell them
+        where each parameter sits (``(offset, numel, index in its group)`` per master) and,
+        at ZeRO >= 1, the shard axis whose ranks hold the parameter's other elements."""
+        opt = self.basic_optimizer
+        if not hasattr(opt, "set_param_segments"):
+            return
+        if self.topology.size("tensor") > 1:
+            raise ValueError(
+                f"optimizer {type(opt).__name__} computes per-parameter norms, which tensor-"
+                "parallel shards would need summed over the tensor axis (not implemented). "
+                "Fix: use an elementwise optimizer (Adam, AdamW, SGD, Lion) with tensor_parallel."
             )
+        segments, groups = [], []
+        for group, axis in zip(self.flat_groups, self.shard_axes):
+            index = {id(p): i for i, p in enumerate(group.params)}
+            per_master: list[list[tuple[int, int, int]]] = [[] for _ in group.masters]
+            for f in param_fragments(group):
+                per_master[f.master_index].append((f.local, f.length, index[id(f.param)]))
+            segments.append(per_master)
+            groups.append(axis.group if self.stage >= 1 and axis.size > 1 else None)
+        opt.set_param_segments(segments, groups, [len(g.params) for g in self.flat_groups])
 
     def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
         """The ranks a param group is sharded and reduced over: the data axis, or the
@@ -252,7 +266,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         names = dict.fromkeys(n for g in self.flat_groups if (n := expert_name(g.params)))
         for name in names:
             slices = self._master_slices(lambda p, n=name: getattr(p, "group_name", None) == n)
-            terms.append(NormTerm(slices, [*expert_norm_groups(name, self.stage >= 1), *pipe]))
+            axes = expert_norm_groups(name, self.stage >= 1, self._config.moe.grad_norm)
+            terms.append(NormTerm(slices, [*axes, *pipe]))
         divide = float(topo.size(dense)) if local else 1.0
         return GradNorm(default, self.device, terms, divide=divide)
 
@@ -290,12 +305,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     def _check_optimizer_supported(self, optimizer: torch.optim.Optimizer) -> None:
         from shardspeed.optim import is_elementwise
 
-        if not is_elementwise(optimizer):
+        if not is_elementwise(optimizer) and not hasattr(optimizer, "set_param_segments"):
             raise ValueError(
-                f"optimizer {type(optimizer).__name__} computes per-parameter norms (e.g. LAMB's "
-                "trust ratio), but the sharding engine updates flat buckets of many parameters "
-                f"(zero_optimization.stage={self.stage}). Use an elementwise optimizer (Adam, "
-                "AdamW, SGD, Adagrad, Lion) or train it with plain PyTorch."
+                f"optimizer {type(optimizer).__name__} is not elementwise (e.g. per-parameter "
+                "norms) and has no set_param_segments() to learn where each parameter sits in "
+                f"the engine's flat buckets (zero_optimization.stage={self.stage}). Use Adam, "
+                "AdamW, SGD, Adagrad, Lion or LAMB, or train it with plain PyTorch."
             )
 
     def _build_lr_scheduler(self, lr_scheduler: Any) -> Any:
@@ -452,8 +467,10 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         stage 3 and with tensor parallelism: shards are gathered)."""
         if self.topology.size("tensor") > 1:
             from shardspeed.parallel.tensor.state import gather_full_state_dict
+            from shardspeed.zero.init import GatheredParameters
 
-            return gather_full_state_dict(self.module)
+            with GatheredParameters(list(self.module.parameters())):  # ZeRO-3: data axis
+                return gather_full_state_dict(self.module)  # then the tensor axis
         return self.sharding.full_state_dict(self.module, *args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
@@ -461,8 +478,10 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         masters are updated too; with tensor parallelism each rank takes its slices)."""
         if self.topology.size("tensor") > 1:
             from shardspeed.parallel.tensor.state import load_full_state_dict
+            from shardspeed.zero.init import GatheredParameters
 
-            return load_full_state_dict(self.module, state_dict, strict=strict)
+            with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
+                return load_full_state_dict(self.module, state_dict, strict=strict)
         return self.sharding.load_full_state_dict(self.module, state_dict, strict)
 
     @torch.no_grad()
@@ -543,15 +562,9 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
 
     def _check_checkpointable(self, what: str) -> None:
-        """Refuse expert- and tensor-parallel models: their ranks hold different experts or
-        shards under the same parameter names, which the name-keyed format would merge."""
-        if self.topology.size("tensor") > 1 and what != "save_16bit_model":
-            raise ValueError(
-                f"engine.{what}(): checkpoints of tensor-parallel models (tp="
-                f"{self.topology.size('tensor')}) are not supported yet (each rank holds a "
-                "shard under the parameter's name). engine.save_16bit_model() and "
-                "engine.state_dict() give the full weights."
-            )
+        """Refuse expert-parallel models: their ranks hold different experts under the same
+        parameter names, which the name-keyed format would merge. (Tensor-parallel shards
+        are stored per tensor rank with their split: shardspeed.checkpoint.tp_placement.)"""
         for group in self.flat_groups:
             name = expert_name(group.params)
             if name is not None and expert_parallel_size(name) > 1:

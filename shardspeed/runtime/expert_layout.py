@@ -9,8 +9,11 @@ are replicated over its ``expert_data`` axis, so (as in DeepSpeed):
   size (the loss is a mean over every data rank's tokens; each expert saw tokens of its
   whole expert group);
 * at ZeRO >= 1 they are sharded over ``expert_data``;
-* in the global norm their squares are summed over ``expert_data`` when sharded and over
-  ``expert`` (different experts) always.
+* the clipping norm is DeepSpeed's by default (``MOE_GRAD_NORMS``): sharded (ZeRO >= 1)
+  the true global norm, squares summed over ``expert_data`` and ``expert``; at stage 0
+  DeepSpeed's fp32 ``clip_grad_norm_`` rule, each rank's norm over the gradients it holds
+  (dense and its own experts) averaged over the data ranks, which is at most the true
+  norm. ``"global"`` gives the true norm at every stage.
 
 Each optimizer param group must be all dense or all experts of one ``group_name``: groups
 that mix them are split here for config-built optimizers (DeepSpeed's
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.zero.grad_norm import RankNormMean
 from shardspeed.zero.sharding import ShardAxis
 
 
@@ -70,10 +74,36 @@ def expert_axis(name: str) -> ShardAxis:
     )
 
 
-def expert_norm_groups(name: str, sharded: bool) -> list[Any]:
-    """Groups to sum an expert group's squared gradient norm over."""
+MOE_GRAD_NORMS = ("deepspeed", "global")
+
+
+def expert_norm_groups(
+    name: str, sharded: bool, grad_norm: str = "deepspeed", low_precision: bool = False
+) -> list[Any]:
+    """Groups to sum an expert group's squared gradient norm over.
+
+    ``grad_norm="deepspeed"`` (default): DeepSpeed 0.19.8's clipping norm. Sharded, its ZeRO
+    1/2 optimizer sums every rank's partition (the true norm; its
+    ``_average_expert_grad_norms`` then averages equal values; checked against DeepSpeed
+    runs). Unsharded fp32, its ``clip_grad_norm_`` averages the ranks' own norms over the
+    data-parallel group: a :class:`~shardspeed.zero.grad_norm.RankNormMean` over the
+    topology's ``data`` axis (checked against DeepSpeed runs). ``low_precision=True``
+    (unsharded 16-bit parameters) gives the true norm, the rule DeepSpeed's BF16 / FP16
+    optimizer wrappers follow in their source (``get_norm_with_moe_layers``); not yet
+    matched against a DeepSpeed bf16 run. ``grad_norm="global"``: the true global norm at
+    every stage.
+    """
+    if grad_norm not in MOE_GRAD_NORMS:
+        raise ValueError(
+            f"MoE grad_norm={grad_norm!r}: valid values are {list(MOE_GRAD_NORMS)} "
+            "('deepspeed': DeepSpeed's clipping norm, the default; 'global': the true norm)."
+        )
     topo = _topology(name)
-    return [topo.group("expert_data"), topo.group("expert")] if sharded else [topo.group("expert")]
+    if sharded:
+        return [topo.group("expert_data"), topo.group("expert")]
+    if grad_norm == "global" or low_precision or topo.size("data") == 1:
+        return [topo.group("expert")]
+    return [RankNormMean(topo.group("data"), topo.size("data"))]
 
 
 def expert_parallel_size(name: str) -> int:

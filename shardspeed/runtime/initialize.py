@@ -105,6 +105,15 @@ def _build_engine(
         from shardspeed.runtime.pipe.engine import initialize_pipeline
 
         materialize_init_params(model, "pipeline parallelism does not shard parameters")
+        autotp = load_config(raw_config).tensor_parallel.autotp_size
+        if autotp > 1:
+            raise ValueError(
+                f"tensor_parallel.autotp_size={autotp} with a PipelineModule: AutoTP shards a "
+                "Hugging Face model, not pipeline layers. Build the PipelineModule's layers "
+                "from ColumnParallelLinear / RowParallelLinear (group=topology.group('tensor')) "
+                "and pass topology=Topology.build(pp=..., tp=...) (or a "
+                "PipeModelDataParallelTopology); remove autotp_size from the config."
+            )
         return initialize_pipeline(
             model,
             raw_config,
@@ -189,12 +198,11 @@ def tensor_parallel_size(config: ShardSpeedConfig, model: nn.Module) -> int:
 def shard_for_tensor_parallelism(
     model: nn.Module, config: ShardSpeedConfig, topology: Topology
 ) -> None:
-    """Shard ``model`` in place with AutoTP (unless ``tp_model_init`` already did)."""
-    if config.zero_optimization.stage == 3:
-        raise ValueError(
-            "tensor_parallel.autotp_size > 1 with zero_optimization.stage=3 is not supported "
-            "yet (ZeRO-3 would re-shard the tensor-parallel shards); use stage 0, 1 or 2."
-        )
+    """Shard ``model`` in place with AutoTP (unless ``tp_model_init`` already did).
+
+    Any ZeRO stage composes: ZeRO shards each tensor rank's (already split) parameters over
+    the data axis only.
+    """
     if getattr(model, "shardspeed_tp", None) is not None:
         return
     from shardspeed.parallel.tensor.autotp import tp_model_init

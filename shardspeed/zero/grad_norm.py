@@ -14,6 +14,14 @@ norm; so the strategy is built once from the layout:
 Every rank builds the same terms in the same order (a term may hold no slice on a
 rank), so the collectives match: one all-reduce per distinct group, over the entries of
 the terms that sum over it.
+
+A term's groups may also hold a :class:`RankNormMean`: DeepSpeed's norm for unsharded
+(stage-0, fp32) expert gradients. DeepSpeed's ``clip_grad_norm_`` takes each rank's norm
+over the gradients it holds (the dense ones and its own experts') and averages those
+norms over the data-parallel group, instead of summing the experts' squares over the
+expert axis. The marked term's squares then stay on the rank, the norm is rooted per rank
+and averaged over the marker's group: the mean of the ranks' norms, at most the true
+global norm (equal when every rank's experts have equal norms).
 """
 
 from __future__ import annotations
@@ -27,6 +35,15 @@ import torch
 from shardspeed import comm
 
 Slice = tuple[int, int, int]  # (index into the flat list of master gradients, lo, hi)
+
+
+@dataclass(frozen=True, eq=False)
+class RankNormMean:
+    """In a term's groups: average the ranks' norms over ``group`` (``size`` ranks) rather
+    than summing squares; DeepSpeed's stage-0 norm with expert parameters."""
+
+    group: Any
+    size: int
 
 
 @dataclass(frozen=True)
@@ -68,10 +85,23 @@ class GradNorm:
                 rest = rest - sq
                 parts.append((sq, term.groups))
         parts.insert(0, (rest, self.groups))
+        means = [g for _, groups in parts for g in groups if isinstance(g, RankNormMean)]
+        parts = [(sq, [g for g in gs if not isinstance(g, RankNormMean)]) for sq, gs in parts]
         total = self._sum_over_groups(parts)
         if self.divide != 1.0:
             total = total / self.divide
+        if means:
+            return self._mean_of_rank_norms(total, means[0])
         return float(total.clamp_min(0).sqrt()) if torch.isfinite(total) else float(total)
+
+    @staticmethod
+    def _mean_of_rank_norms(total: torch.Tensor, mean: RankNormMean) -> float:
+        """This rank's norm ``sqrt(total)``, averaged over ``mean.group`` (a non-finite
+        norm on any rank makes the mean non-finite, so every rank sees the overflow)."""
+        norm = total.clamp_min(0).sqrt() if torch.isfinite(total) else total
+        norm = (norm / mean.size).reshape(1)
+        comm.all_reduce(norm, group=mean.group)
+        return float(norm[0])
 
     @staticmethod
     def _sum_over_groups(parts: list[tuple[torch.Tensor, Sequence[Any]]]) -> torch.Tensor:

@@ -27,7 +27,7 @@ from test_checkpoint_engine import _dropout_engine, _forever, _params, _train
 
 import shardspeed
 from shardspeed import comm
-from shardspeed.checkpoint import commit
+from shardspeed.checkpoint import commit, load_checkpoint
 
 CONFIGS = [(stage, precision) for stage in (0, 1, 2, 3) for precision in ("fp32", "bf16")]
 PG_TIMEOUT = timedelta(seconds=20)  # survivors of a killed rank give up after this
@@ -77,7 +77,7 @@ def _resume_phase(out: Path, rank: int) -> tuple[dict, dict]:
         name = f"s{stage}_{precision}"
         engine, loader = _dropout_engine(stage, precision, seed=77)  # different init
         torch.manual_seed(4242)  # RNG must come from the checkpoint
-        path, _ = engine.load_checkpoint(str(out / name))
+        path, _ = load_checkpoint(engine, str(out / name), restore_rng=True)
         assert path is not None and path.endswith("global_step4"), path
         losses[f"{name}/rest"] = _train(engine, _forever(loader), 6)
         params.update({f"{name}/{k}": v for k, v in _params(engine).items()})

@@ -63,9 +63,9 @@ def _dropout_engine(stage: int, precision: str, seed: int):
     engine, _, loader, _ = shardspeed.initialize(
         model=model, config=_resume_config(stage, precision), training_data=data
     )
-    # Creating a DataLoader iterator draws a seed from the global RNG unless the loader has
-    # its own generator; give it one so dropout's RNG stream does not depend on when the
-    # iterator was created (see the report: ShardSpeedDataLoader should do this itself).
+    # Exact resume is opt-in (DeepSpeed restores no dataloader position and its iterators
+    # draw from the global RNG): own generator, position restored by load_checkpoint.
+    loader.exact_resume = True
     loader.loader.generator = torch.Generator()
     return engine, loader
 
@@ -113,7 +113,7 @@ def _resume_rank(tmp: str) -> list:
             engine.destroy()
             engine, loader = _dropout_engine(stage, precision, seed=77)  # different init
             torch.manual_seed(4242)  # RNG must come from the checkpoint
-            path, client = load_checkpoint(engine, ckpt)
+            path, client = load_checkpoint(engine, ckpt, restore_rng=True)
             assert path is not None and path.endswith("global_step4"), path
             assert client["note"] == "hi" and torch.equal(client["t"], torch.arange(3))
             assert engine.global_steps == 4 and loader.position == 4

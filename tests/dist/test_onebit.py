@@ -37,25 +37,7 @@ def _engine(optimizer: str, params: dict[str, Any], seed: int = SPEC.seed):
 
     model = make_model(replace(SPEC, seed=seed))
     engine, _, _, _ = shardspeed.initialize(model=model, config=_config(optimizer, params))
-    _wire_segments(engine)
     return engine
-
-
-def _wire_segments(engine) -> None:
-    """Parameter boundaries inside the flat masters, for OneBitLamb's per-parameter norms
-    (what the engine is asked to do itself, see docs/onebit.md)."""
-    from shardspeed.zero.fragments import param_fragments
-
-    opt = engine.basic_optimizer
-    if not hasattr(opt, "set_param_segments"):
-        return
-    segments = []
-    for group in engine.flat_groups:
-        per_master: list[list[tuple[int, int]]] = [[] for _ in group.masters]
-        for f in param_fragments(group):
-            per_master[f.master_index].append((f.local, f.length))
-        segments.append(per_master)
-    opt.set_param_segments(segments)
 
 
 def _train(engine, steps: range) -> list[float]:

@@ -124,6 +124,42 @@ def test_top1_rsample_noise_picks_experts_weights_stay_clean():
     close(r.weights[0], probs[torch.arange(4), noisy_choice].tolist())
 
 
+def test_top1_min_capacity_raises_the_capacity():
+    # ceil(4 / 2 * 0.5) = 1, but min_capacity 3: expert 0's three tokens all fit
+    torch.manual_seed(3)
+    r = route_top1(logits_of(TOP1), capacity_factor=0.5, min_capacity=3)
+    assert r.capacity == 3
+    close(r.expert_ids, [[0, 0, 0, 1]])
+    close(r.locations, [[0, 1, 2, 0]])
+    close(r.exp_counts, [3, 1])
+    close(r.l_aux, TOP1_L_AUX)
+
+
+def _identity_gate(**kwargs: object) -> TopKGate:
+    """A 2-expert gate whose logits are its input (``wg`` = identity)."""
+    gate = TopKGate(2, 2, min_capacity=0, **kwargs)
+    with torch.no_grad():
+        gate.wg.weight.copy_(torch.eye(2))
+    return gate
+
+
+def test_eval_capacity_factor_applies_in_eval_mode_only():
+    gate = _identity_gate(k=1, capacity_factor=2.0, eval_capacity_factor=0.5)
+    torch.manual_seed(3)
+    train = gate.route(logits_of(TOP1))
+    assert train.capacity == 4  # ceil(4 / 2 * 2.0): nothing dropped
+    close(train.expert_ids, [[0, 0, 0, 1]])
+    gate.eval()
+    torch.manual_seed(3)  # RTS priorities of tokens 0, 1, 2: 0.0043, 0.286, 0.472
+    r = gate.route(logits_of(TOP1))
+    assert r.capacity == 1  # ceil(4 / 2 * 0.5)
+    close(r.expert_ids, [[-1, -1, 0, 1]])  # expert 0 keeps its highest priority, token 2
+    close(r.locations, [[0, 0, 0, 0]])
+    close(r.weights, [[0.0, 0.0, 0.9, 0.8]])
+    close(r.exp_counts, [3, 1])
+    close(r.l_aux, TOP1_L_AUX)
+
+
 # ----------------------------------------------------------------------------- top-2
 # 4 tokens, 3 experts. first / second choice: t0 e0/e1, t1 e0/e2, t2 e1/e0, t3 e0/e1.
 TOP2 = [[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.2, 0.7, 0.1], [0.4, 0.35, 0.25]]
@@ -158,6 +194,16 @@ def test_top2_drop_order_first_choices_then_token_order():
     close(r.locations, [[0, 1, 0, 0], [1, 0, 0, 0]])
     # weights renormalised over kept routes; a token with nothing kept gets 0
     close(r.weights, [[0.5 / 0.8, 0.6 / 0.9, 1.0, 0.0], [0.3 / 0.8, 0.3 / 0.9, 0.0, 0.0]])
+    close(r.exp_counts, [4, 3, 1])
+    close(r.l_aux, TOP2_L_AUX)
+
+
+def test_top2_min_capacity_keeps_every_route():
+    kwargs = {"capacity_factor": 0.5, "min_capacity": 4, "second_expert_sampling": False}
+    r = route_top2(logits_of(TOP2), drop_tokens=True, **kwargs)
+    assert r.capacity == 4  # max(ceil(4 / 3 * 0.5 * 2), 4)
+    close(r.expert_ids, [[0, 0, 1, 0], [1, 2, 0, 1]])  # as without dropping
+    close(r.locations, [[0, 1, 0, 2], [1, 0, 3, 2]])
     close(r.exp_counts, [4, 3, 1])
     close(r.l_aux, TOP2_L_AUX)
 
@@ -197,7 +243,8 @@ def test_topk_drop_policies(policy: str, ids: list, weights: list):
     assert r.capacity == 1  # ceil(2 / 4 * 0.5 * 3)
     close(r.expert_ids, ids)
     close(r.weights, weights)
-    close(r.exp_counts, [1, 2, 2, 1])
+    close(r.exp_counts, [1, 2, 2, 1])  # every choice, before dropping
+    close(r.l_aux, 1.0)  # from the choices, not the survivors (as without dropping)
 
 
 # ----------------------------------------------------------------------------- formats

@@ -131,11 +131,20 @@ class OnebitLamb(OnebitOptimizer):
         self._lamb_coeffs: list[float] = []
 
     # -- parameter boundaries ---------------------------------------------------------------
-    def set_param_segments(self, segments: Sequence[Sequence[Sequence[Segment]]]) -> None:
-        """Parameter boundaries: ``segments[group][master]`` lists ``(offset, numel)`` of every
-        parameter inside that master (padding left out)."""
+    def set_param_segments(
+        self,
+        segments: Sequence[Sequence[Sequence[tuple[int, int, int]]]],
+        groups: Any = None,
+        param_counts: Any = None,
+    ) -> None:
+        """Parameter boundaries: ``segments[group][master]`` lists ``(offset, numel,
+        param_index)`` of every parameter inside that master (padding left out). ``groups``
+        is for sharded masters, which 1-bit LAMB refuses (ZeRO stage 0 only); it must be
+        None for every param group."""
+        if groups is not None and any(g is not None for g in groups):
+            raise ValueError("OneBitLamb steps whole parameters: it needs ZeRO stage 0.")
         self._segments = {
-            (gi, pi): [(int(o), int(n)) for o, n in segs if n > 0]
+            (gi, pi): [(int(o), int(n)) for o, n, *_ in segs if n > 0]
             for gi, per_group in enumerate(segments)
             for pi, segs in enumerate(per_group)
         }

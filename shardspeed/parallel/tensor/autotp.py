@@ -92,6 +92,11 @@ def tp_model_init(
         comm.init_distributed()  # from torchrun's environment, as deepspeed.initialize would
     group = _resolve_group(tp_size, tp_group)
     if tp_size > 1:
+        from shardspeed.zero.init_partition import materialize_init_params
+
+        # a model built under zero.Init: gather its full weights first (collective), then
+        # slice them; at ZeRO-3 the engine shards the slices over the data axis again
+        materialize_init_params(model, "tp_model_init slices full weights")
         policy = policy_for(model, partition_config, preset_model)
         shard_model(model, policy, group, vocab_parallel_lm_head=vocab_parallel_lm_head)
     if dtype is not None:
