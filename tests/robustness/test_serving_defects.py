@@ -236,7 +236,7 @@ def test_non_json_numbers_and_bytes_are_400(server, body):
         ("top_p", 0, "(0, 1]"),
         ("top_k", -5, "[-1, 2147483647]"),
         ("seed", 2**64, "18446744073709551615"),
-        ("presence_penalty", 1.5, "[-2, 2]"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
         ("stop", "x" * 2000, "1024 characters"),
     ],
 )

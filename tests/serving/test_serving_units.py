@@ -64,8 +64,8 @@ def test_validation_errors_name_the_field():
     err = from_validation_error(info.value)
     assert err.status_code == 400 and err.param == "max_tokens" and "-1" in err.message
     with pytest.raises(ValidationError) as info:
-        CompletionRequest.model_validate({"prompt": "x", "echo": True})
-    assert "echo=True is not supported" in from_validation_error(info.value).message
+        CompletionRequest.model_validate({"prompt": "x", "echo": True, "stream": True})
+    assert "echo are not supported with stream=true" in from_validation_error(info.value).message
 
 
 def test_serve_cli_parses_engine_options():

@@ -7,6 +7,11 @@ block_size``. New K/V are written to their slots *before* attending, so a chunk
 attends to itself causally. Decodes (``n == 1``) and prompt chunks are the same
 formula.
 
+Per-layer options: ``window`` (sliding-window attention: query at position
+``q`` sees keys ``q - window < p <= q``, HF's convention), ``scale`` (default
+``head_dim ** -0.5``) and ``softcap`` (Gemma 2: ``tanh(s / cap) * cap`` on the
+scores before masking; computed without SDPA in the torch backend).
+
 Backends (chosen once per engine, see :func:`select_backend`):
 
 * ``"torch"`` (CPU and fallback on CUDA): decodes of similar context length
@@ -67,6 +72,8 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None  # [S, max_blocks] int32
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # sliding-window masks, built once per step per window size and reused by every layer
+    window_masks: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
 
 
 def flash_attn_available() -> bool:
@@ -111,54 +118,142 @@ def paged_attention(
     layer: int,
     slot_mapping: torch.Tensor,
     meta: AttentionMetadata,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write ``k``/``v`` of the new tokens, then attend; returns ``[N, H, D]``.
 
     ``q``: ``[N, H, D]``; ``k``, ``v``: ``[N, H_kv, D]`` for the N ragged tokens.
+    ``window``: sliding-window size in tokens (None: full causal attention);
+    ``scale``: score scale (None: ``D ** -0.5``); ``softcap``: score soft-capping.
     """
     kv_cache.write(layer, slot_mapping, k, v)
     if meta.backend == "flash":
-        return _flash_attention(q, kv_cache, layer, meta)
-    return _torch_attention(q, kv_cache, layer, meta)
+        return _flash_attention(q, kv_cache, layer, meta, window, scale, softcap)
+    return _torch_attention(q, kv_cache, layer, meta, window, scale, softcap)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA over ``[B, H, Lq, D]`` queries and ``[B, H_kv, Lk, D]`` keys (GQA by broadcast).
+
+    With ``softcap`` the scores are computed explicitly (SDPA cannot cap them),
+    softmax in fp32 like HF's eager attention.
+    """
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)  # [B, H, Lk, D]
+    v = v.repeat_interleave(groups, dim=1)  # [B, H, Lk, D]
+    scores = q @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap  # [B, H, Lq, Lk]
+    if causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return probs @ v  # [B, H, Lq, D]
+
+
+def _decode_window_mask(
+    g: DecodeGroup, padded_len: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """``[G, 1, 1, padded_len]``: the last ``window`` keys of each padded decode row."""
+    if g.mask is None:
+        lens = torch.full((g.rows.numel(),), padded_len, device=device)
+    else:
+        lens = g.mask[:, 0, 0, :].sum(-1)  # [G] context lengths
+    keys = torch.arange(padded_len, device=device).unsqueeze(0)  # [1, L]
+    keep = (keys < lens.unsqueeze(1)) & (keys >= lens.unsqueeze(1) - window)  # [G, L]
+    return keep[:, None, None, :]
+
+
+def _chunk_window_mask(c: ChunkMeta, window: int, device: torch.device) -> torch.Tensor:
+    """``[n, context_len]``: causal and within ``window`` of each query of a prompt chunk."""
+    q_pos = torch.arange(c.context_len - c.num_tokens, c.context_len, device=device).unsqueeze(1)
+    keys = torch.arange(c.context_len, device=device).unsqueeze(0)  # [1, ctx]
+    return (keys <= q_pos) & (keys > q_pos - window)  # [n, ctx]
 
 
 def _torch_attention(
-    q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]  # [num_blocks, BS, H_kv, D]
     n_tok, n_heads, d = q.shape
     n_kv = k_cache.shape[2]
     out = torch.empty_like(q)  # [N, H, D]
-    for g in meta.decode_groups:
+    for gi, g in enumerate(meta.decode_groups):
         num = g.rows.numel()
         # Gather whole blocks (contiguous copies), not single slots.
         kd = k_cache[g.block_table].view(num, -1, n_kv, d).transpose(1, 2)  # [G, H_kv, L, D]
         vd = v_cache[g.block_table].view(num, -1, n_kv, d).transpose(1, 2)  # [G, H_kv, L, D]
         # One query token: the query heads sharing a KV head act as that head's queries.
         qd = q[g.rows].view(num, n_kv, n_heads // n_kv, d)  # [G, H_kv, H / H_kv, D]
-        od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=g.mask)
+        mask = g.mask
+        if window is not None and window < kd.shape[2]:
+            key = ("decode", gi, window)
+            if key not in meta.window_masks:
+                meta.window_masks[key] = _decode_window_mask(g, kd.shape[2], window, q.device)
+            mask = meta.window_masks[key]
+        od = _sdpa(qd, kd.to(q.dtype), vd.to(q.dtype), mask, False, scale, softcap)
         out[g.rows] = od.reshape(num, n_heads, d)
-    for c in meta.chunks:
+    for ci, c in enumerate(meta.chunks):
         kc = k_cache[c.blocks].view(-1, n_kv, d)[: c.context_len].transpose(0, 1)  # [H_kv, L, D]
         vc = v_cache[c.blocks].view(-1, n_kv, d)[: c.context_len].transpose(0, 1)  # [H_kv, L, D]
         qc = q[c.token_start : c.token_start + c.num_tokens].transpose(0, 1)  # [H, n, D]
-        oc = F.scaled_dot_product_attention(
+        mask = c.mask
+        if window is not None and window < c.context_len:
+            key = ("chunk", ci, window)
+            if key not in meta.window_masks:
+                meta.window_masks[key] = _chunk_window_mask(c, window, q.device)
+            mask = meta.window_masks[key]
+        oc = _sdpa(
             qc.unsqueeze(0),
             kc.unsqueeze(0).to(q.dtype),
             vc.unsqueeze(0).to(q.dtype),
-            attn_mask=c.mask,
-            is_causal=c.mask is None,
-            enable_gqa=True,
+            mask,
+            mask is None,
+            scale,
+            softcap,
         )  # [1, H, n, D]
         out[c.token_start : c.token_start + c.num_tokens] = oc[0].transpose(0, 1)
     return out
 
 
 def _flash_attention(
-    q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # pragma: no cover - needs CUDA + flash_attn
     from flash_attn import flash_attn_varlen_func
 
+    extra = {}
+    if window is not None:
+        extra["window_size"] = (window - 1, 0)  # keys q - window + 1 .. q
+    if softcap is not None:
+        extra["softcap"] = softcap
     return flash_attn_varlen_func(
         q,
         kv_cache.k[layer],
@@ -167,6 +262,8 @@ def _flash_attention(
         meta.cu_seqlens_k,
         meta.max_seqlen_q,
         meta.max_seqlen_k,
+        softmax_scale=scale,
         causal=True,  # bottom-right aligned: query i sees keys <= start + i
         block_table=meta.block_table,
+        **extra,
     )

@@ -4,11 +4,16 @@ Pure CPU bookkeeping: a block is an integer id in ``[0, num_blocks)``; the tenso
 live in :mod:`kv_cache`. A block is *used* while its reference count is > 0.
 Blocks with count 0 sit in one free queue ordered least-recently-freed first.
 
-With ``enable_prefix_caching`` every *full* block that has been computed can be
-registered under a hash chain ``h_i = sha256(h_{i-1} || tokens_of_block_i)``. A
+With ``enable_prefix_caching`` every *full* block can be registered under a hash
+chain, from the step that fills it on (so requests admitted later in that step
+share it; see ``Scheduler._grant``), ``h_i = sha256(h_{i-1} || tokens_of_block_i)``. A
 freed block keeps its hash while it waits in the free queue, so a later request
 with the same prefix can take it back (``touch``) instead of recomputing it;
 allocation evicts the least recently freed block first (LRU).
+
+A sequence's block table may hold :data:`PLACEHOLDER_BLOCK` where a block was freed
+because no query can read it again (sliding-window attention, see
+``Scheduler._release_window``); :meth:`free` and :meth:`fork` skip placeholders.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
+
+PLACEHOLDER_BLOCK = -1  # block-table entry of a block freed outside the attention window
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -87,7 +94,9 @@ class BlockPool:
 
         Blocks are queued in reverse order so that, under prefix caching, a
         sequence's last (least shareable) block is evicted before its first.
+        Placeholders (:data:`PLACEHOLDER_BLOCK`) are skipped.
         """
+        blocks = [b for b in blocks if b != PLACEHOLDER_BLOCK]
         for block in blocks:
             if not 0 <= block < self.num_blocks or self.ref_counts[block] <= 0:
                 raise AssertionError(f"double free or bad block id {block}")
@@ -102,9 +111,12 @@ class BlockPool:
         """Share ``blocks`` with another sequence (reference count + 1 each).
 
         Only full blocks may be shared: a block that will still be written to
-        must not be forked (there is no copy-on-write).
+        must not be forked (there is no copy-on-write). Placeholders are kept as
+        placeholders.
         """
         for block in blocks:
+            if block == PLACEHOLDER_BLOCK:
+                continue
             if self.ref_counts[block] <= 0:
                 raise AssertionError(f"cannot fork free block {block}")
             self.ref_counts[block] += 1
@@ -121,12 +133,17 @@ class BlockPool:
             hits.append(block)
         return hits
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The block registered under ``block_hash`` (used or free), or None."""
+        return self._hash_to_block.get(block_hash)
+
     def num_free_among(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` are currently in the free queue (touching them costs free blocks)."""
         return sum(1 for b in blocks if self.ref_counts[b] == 0)
 
     def touch(self, blocks: Sequence[int]) -> None:
-        """Take a reference on cached blocks found by :meth:`lookup`."""
+        """Take a reference on cached blocks found by :meth:`lookup` (placeholders skipped)."""
+        blocks = [b for b in blocks if b != PLACEHOLDER_BLOCK]
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self._free[block]
@@ -135,12 +152,20 @@ class BlockPool:
 
     def register(self, block: int, block_hash: bytes) -> None:
         """Record that ``block`` holds the full block whose chained hash is ``block_hash``."""
-        if not self.enable_prefix_caching or block_hash in self._hash_to_block:
+        if (
+            not self.enable_prefix_caching
+            or block == PLACEHOLDER_BLOCK
+            or block_hash in self._hash_to_block
+        ):
             return
         if block in self._block_to_hash:  # already registered under its (only possible) hash
             return
         self._hash_to_block[block_hash] = block
         self._block_to_hash[block] = block_hash
+
+    def forget(self, block: int) -> None:
+        """Drop ``block``'s prefix hash (its contents will not match it)."""
+        self._evict(block)
 
     def _evict(self, block: int) -> None:
         h = self._block_to_hash.pop(block, None)

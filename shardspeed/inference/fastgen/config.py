@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -19,8 +20,9 @@ class EngineConfig:
         num_blocks: KV blocks to allocate; None => from ``kv_cache_memory``.
         kv_cache_memory: KV budget as bytes (int) or a fraction (0, 1] of free
             device memory (host ``available`` memory on CPU). With both None the
-            cache holds ``max_ragged_sequence_count * max_seq_len`` tokens, capped
-            at 90% of free CUDA memory or 25% of available host memory.
+            budget is 0.9 of free CUDA memory or 0.1 of available host memory (at
+            most 4 GiB); any fraction is capped at ``max_ragged_sequence_count *
+            max_seq_len`` tokens (see ``kv_cache.resolve_num_blocks``).
         max_ragged_batch_size: token budget of one forward (all sequences together).
         max_ragged_sequence_count: most sequences in one forward.
         max_seq_len: prompt + generated tokens per request; None => model's maximum.
@@ -32,6 +34,16 @@ class EngineConfig:
         attention_backend: ``"auto"`` | ``"torch"`` | ``"flash"``.
         watermark: fraction of blocks kept free when admitting new prompts while
             others run (fewer preemptions).
+        quantization: weight-only quantization of the model's linear layers after
+            load: ``"int8"``, ``"int4"``, ``"int4-g64-asym"``..., a dict of
+            :class:`~shardspeed.inference.quantization.WeightQuantConfig` fields or
+            such a config; None keeps the weights in ``dtype``.
+        compile_decode: decode-only steps through a static-shape compiled step
+            (see :mod:`~shardspeed.inference.fastgen.compiled_decode`): True =>
+            CUDA graphs on CUDA, ``torch.compile`` on CPU (error if the model
+            cannot take the path); ``"compile"`` / ``"cuda_graph"`` explicitly;
+            False or None (auto) => eager (the CPU compile costs ~10 s, minutes
+            on a loaded machine; docs/inference.md has the measurements).
     """
 
     block_size: int | None = None
@@ -46,6 +58,8 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str = "auto"
     watermark: float = 0.01
+    quantization: Any = None
+    compile_decode: bool | str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -80,6 +94,10 @@ class EngineConfig:
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"EngineConfig.watermark={self.watermark!r} must be in [0, 1).")
+        if self.quantization is not None:
+            from shardspeed.inference.quantization import WeightQuantConfig
+
+            self.quantization = WeightQuantConfig.parse(self.quantization)
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

@@ -31,10 +31,11 @@ from shardspeed.inference.fastgen.block_pool import BlockPool
 from shardspeed.inference.fastgen.config import EngineConfig
 from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
 from shardspeed.inference.fastgen.loader import build_model, resolve_tokenizer
+from shardspeed.inference.fastgen.logprobs import record_prompt_logprobs, sampled_logprobs
 from shardspeed.inference.fastgen.model_runner import ModelRunner
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
-from shardspeed.inference.fastgen.outputs import RequestOutput
-from shardspeed.inference.fastgen.request import Request
+from shardspeed.inference.fastgen.outputs import RequestOutput, select_best
+from shardspeed.inference.fastgen.request import Request, sample_request_ids
 from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
@@ -74,7 +75,7 @@ class InferenceEngine:
         self.config.validate()
         cfg = self.config
         self.device = cfg.resolved_device()
-        self.model, self.model_config = build_model(model, cfg.dtype, self.device)
+        self.model, self.model_config = build_model(model, cfg.dtype, self.device, cfg.quantization)
         self.tokenizer = tokenizer
         self.max_seq_len = self._resolve_max_seq_len()
         block_size = cfg.block_size or (64 if self.device.type == "cuda" else 16)
@@ -82,9 +83,9 @@ class InferenceEngine:
         spec = KVCacheSpec(
             m.num_layers, m.num_kv_heads, m.head_dim, block_size, next(m.parameters()).dtype
         )
-        default_tokens = cfg.max_ragged_sequence_count * self.max_seq_len
+        max_useful_tokens = cfg.max_ragged_sequence_count * self.max_seq_len
         num_blocks = resolve_num_blocks(
-            spec, self.device, cfg.num_blocks, cfg.kv_cache_memory, default_tokens
+            spec, self.device, cfg.num_blocks, cfg.kv_cache_memory, max_useful_tokens
         )
         self.kv_cache = KVCache(spec, num_blocks, self.device)
         self.block_pool = BlockPool(num_blocks, block_size, cfg.enable_prefix_caching)
@@ -95,14 +96,21 @@ class InferenceEngine:
             cfg.scheduler,
             watermark_blocks=int(cfg.watermark * num_blocks),
         )
+        self.scheduler.kv_window = m.kv_window  # frees blocks outside a sliding window
+        self.scheduler.rope_recompute_len = m.rope_recompute_len  # longrope crossing
+        self.scheduler.rope_key = m.kv_rope_key
         backend = select_backend(cfg.attention_backend, self.device, block_size, spec.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, backend)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, backend, cfg.compile_decode,
+            cfg.max_ragged_sequence_count, self.max_seq_len,
+        )  # fmt: skip
         eos = list(m.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None and tok_eos not in eos:
             eos.append(int(tok_eos))
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_seq_len)
-        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._requests: dict[str, Request] = {}  # unfinished requests by (sample) id
+        self._unforked: dict[str, Request] = {}  # sample id -> request it forks from
         self._pending: list[RequestOutput] = []  # aborted outputs for the next step()
         self._errors: OrderedDict[str, RequestFailedError] = OrderedDict()  # see take_error
         self._ids = itertools.count()
@@ -140,7 +148,12 @@ class InferenceEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a prompt (text or token ids); returns its request id."""
+        """Queue a prompt (text or token ids); returns its request id.
+
+        With ``params.n`` / ``best_of`` > 1 the samples' outputs carry the ids
+        :func:`~.request.sample_request_ids` gives (``"<id>#<index>"``); the first
+        computes the prompt and the others fork from its KV blocks after prefill.
+        """
         params = params or SamplingParams()
         params.validate()
         token_ids = self._encode(prompt)
@@ -149,13 +162,26 @@ class InferenceEngine:
                 f"SamplingParams.stop={params.stop!r} needs a tokenizer to detokenize output; "
                 "pass tokenizer= to the engine or use stop_token_ids."
             )
+        if not params.truncate and len(token_ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_seq_len} tokens. However, "
+                f"you requested {len(token_ids) + params.max_new_tokens} tokens "
+                f"({len(token_ids)} in the prompt, {params.max_new_tokens} for the completion "
+                "(max_new_tokens / max_tokens)). Shorten the prompt or lower max_new_tokens."
+            )
+        bad_bias = [t for t in params.logit_bias if t >= self.model.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"SamplingParams.logit_bias has token ids {bad_bias[:5]} outside the vocabulary "
+                f"[0, {self.model.vocab_size})."
+            )
         if len(token_ids) >= self.max_seq_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens but max_seq_len={self.max_seq_len} leaves no "
                 "room to generate; shorten the prompt or raise EngineConfig.max_seq_len."
             )
         kv_tokens = min(len(token_ids) + params.max_new_tokens, self.max_seq_len) - 1
-        need = self.block_pool.blocks_for_tokens(kv_tokens)
+        need = self.scheduler.max_blocks_needed(kv_tokens)  # one window's worth if sliding
         if need > self.block_pool.num_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks ({len(token_ids)} prompt + "
@@ -164,15 +190,24 @@ class InferenceEngine:
                 "max_new_tokens."
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise ValueError(
-                f"request_id={request_id!r} is already in use by an unfinished request."
-            )
-        req = Request(request_id, token_ids, params)
-        self._requests[request_id] = req
+        sample_ids = sample_request_ids(request_id, params.num_samples)
+        busy = [i for i in sample_ids if i in self._requests or i in self._unforked]
+        if busy:
+            raise ValueError(f"request_id={busy[0]!r} is already in use by an unfinished request.")
+        req = Request(sample_ids[0], token_ids, params)
+        req.fork_ids = sample_ids[1:]
+        if params.min_tokens:
+            eos = [] if params.ignore_eos else sorted(self.output_processor.eos_token_ids)
+            req.min_tokens_suppressed_ids = sorted({*eos, *params.stop_token_ids})
+        self._requests[req.request_id] = req
+        self._unforked.update((i, req) for i in req.fork_ids)
         self.scheduler.add(req)
         self._prompt_tokens += len(token_ids)
         return request_id
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids (validated against the vocabulary); ``ValueError`` if empty."""
+        return self._encode(prompt)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -200,11 +235,28 @@ class InferenceEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its final output (``finish_reason="abort"``) comes with the next ``step()``."""
+        parent = self._unforked.pop(request_id, None)
+        if parent is not None:  # a sample whose prefill has not finished yet
+            parent.fork_ids.remove(request_id)
+            self._pending.append(self._unstarted_output(parent, request_id, "abort"))
+            return
         req = self._requests.pop(request_id, None)
-        if req is None:
+        if req is None:  # maybe the id of a multi-sample request: abort all its samples
+            prefix = f"{request_id}#"
+            for sid in [i for i in (*self._requests, *self._unforked) if i.startswith(prefix)]:
+                self.abort(sid)
             return
         self.scheduler.finish(req, "abort")
         self._pending.append(req.make_output())
+        for child_id in list(req.fork_ids):
+            self.abort(child_id)
+
+    @staticmethod
+    def _unstarted_output(parent: Request, sample_id: str, reason: str) -> RequestOutput:
+        """Final output of a sample that finished before it was forked from ``parent``."""
+        sample = parent.new_sample(sample_id)
+        sample.finish(reason)
+        return sample.make_output()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -227,13 +279,16 @@ class InferenceEngine:
                 seq.request.metrics.first_scheduled_time = now
         logits, batch = self._execute(batch, outputs)  # drops sequences whose forward fails
         self.scheduler.commit(batch)
-        sampled = [s.request for s in batch.sequences if s.needs_logits]
+        logits, sampled = self._sampling_rows(logits, batch, outputs)  # [M, V], one per request
+        logits, sampled = self._fork_samples(logits, sampled)  # n / best_of samples join here
         tokens = self._sample(logits, sampled, outputs)  # None where sampling failed
         now = time.perf_counter()
-        for req, token in zip(sampled, tokens):
+        for row, (req, token) in enumerate(zip(sampled, tokens)):
             if token is None:
                 continue
             try:
+                if req.params.needs_logprobs:
+                    self._record_logprob(req, logits[row : row + 1], token)  # [1, V]
                 reason = self.output_processor.append(req, token, now)
             except Exception as exc:  # a detokenizer or stop-check failure of this request
                 self._fail(req, exc, outputs)
@@ -245,6 +300,63 @@ class InferenceEngine:
         self._num_steps += 1
         self._tokens_generated += sum(t is not None for t in tokens)
         return outputs
+
+    # --------------------------------------------------- logits rows / samples
+    def _sampling_rows(
+        self, logits: torch.Tensor, batch: ScheduledBatch, outputs: list[RequestOutput]
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Record prompt logprobs from ``all_logits`` rows; return the rows to sample
+        from (``[M, V]``) and their requests."""
+        rows: list[int] = []
+        sampled: list[Request] = []
+        row = 0
+        for seq in batch.sequences:
+            n = seq.num_logits_rows
+            if seq.all_logits:
+                try:
+                    record_prompt_logprobs(seq.request, logits[row : row + n], seq.start_position)
+                except Exception as exc:
+                    self._fail(seq.request, exc, outputs)
+                    row += n
+                    continue
+            if seq.needs_logits:
+                rows.append(row + n - 1)
+                sampled.append(seq.request)
+            row += n
+        if len(rows) == logits.shape[0]:
+            return logits, sampled
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], sampled
+
+    def _fork_samples(
+        self, logits: torch.Tensor, sampled: list[Request]
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """After a multi-sample request's prefill, start its other samples on its KV
+        blocks; they draw their first token from the same logits row."""
+        extra_rows: list[int] = []
+        extra: list[Request] = []
+        for row, req in enumerate(sampled):
+            if not req.fork_ids or req.output_token_ids:
+                continue
+            for child_id in req.fork_ids:
+                self._unforked.pop(child_id, None)
+                child = req.new_sample(child_id)
+                self._requests[child_id] = child
+                if self.scheduler.add_forked(child, req, self.kv_cache):
+                    extra_rows.append(row)
+                    extra.append(child)
+                else:  # no block free to copy the last partial block: compute its own prompt
+                    self.scheduler.add(child)
+            req.fork_ids = []
+        if not extra:
+            return logits, sampled
+        idx = torch.tensor(extra_rows, dtype=torch.long, device=logits.device)
+        return torch.cat([logits, logits[idx]]), sampled + extra  # [M + E, V]
+
+    def _record_logprob(self, req: Request, logits: torch.Tensor, token: int) -> None:
+        (entry,) = sampled_logprobs(logits, [req], [token])
+        req.cumulative_logprob += entry.logprob
+        if req.logprobs is not None:
+            req.logprobs.append(entry)
 
     # ------------------------------------------------------- fault isolation
     def _execute(
@@ -276,8 +388,19 @@ class InferenceEngine:
                 rows.append(logits)
             if len(failed) > 1 and not kept:
                 raise batch_error
+            # Blocks a failed request was to fill this step may be shared (same-step prefix
+            # hits): the sequences reading them recompute later instead.
+            unwritten = {
+                b for req, _ in failed for b in self.scheduler.uncomputed_registered_blocks(req)
+            }
             for req, exc in failed:
                 self._fail(req, exc, outputs)
+            if unwritten:
+                for seq in [s for s in kept if unwritten.intersection(s.block_table)]:
+                    i = kept.index(seq)
+                    kept.pop(i)
+                    rows.pop(i)
+                    self.scheduler.requeue(seq.request)
             vocab = self.model.vocab_size
             logits = torch.cat(rows) if rows else torch.empty(0, vocab, device=self.device)
             return logits, ScheduledBatch(sequences=kept, preempted=batch.preempted)
@@ -312,6 +435,11 @@ class InferenceEngine:
         while len(self._errors) > _MAX_KEPT_ERRORS:
             self._errors.popitem(last=False)
         outputs.append(req.make_output())
+        for child_id in req.fork_ids:  # samples that would have forked from it fail too
+            self._unforked.pop(child_id, None)
+            self._errors[child_id] = error
+            outputs.append(self._unstarted_output(req, child_id, "error"))
+        req.fork_ids = []
 
     def generate(
         self,
@@ -319,6 +447,9 @@ class InferenceEngine:
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; final outputs in prompt order.
+
+        A prompt whose params ask for ``n`` > 1 samples contributes ``n`` consecutive
+        outputs (``index`` 0..n-1; with ``best_of`` the ``n`` most likely samples).
 
         Outputs of other requests already in the engine are consumed and dropped.
         """
@@ -328,15 +459,20 @@ class InferenceEngine:
                 "pass one SamplingParams or one per prompt."
             )
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        ids: list[str] = []
+        per_prompt = [sp or SamplingParams() for sp in per_prompt]
+        groups: list[list[str]] = []  # sample ids of each prompt
         try:
             for prompt, sp in zip(prompts, per_prompt):
-                ids.append(self.add_request(prompt, sp))
+                rid = self.add_request(prompt, sp)
+                groups.append(sample_request_ids(rid, sp.num_samples))
         except ValueError:
-            for rid in ids:  # all-or-nothing: do not leave half the batch running
-                self.abort(rid)
-            self._pending = [o for o in self._pending if o.request_id not in ids]
+            for group in groups:  # all-or-nothing: do not leave half the batch running
+                for rid in group:
+                    self.abort(rid)
+            dropped = {rid for group in groups for rid in group}
+            self._pending = [o for o in self._pending if o.request_id not in dropped]
             raise
+        ids = [rid for group in groups for rid in group]
         wanted, finals = set(ids), {}
         while len(finals) < len(ids):
             if not self.has_unfinished():
@@ -348,7 +484,11 @@ class InferenceEngine:
             error = self.take_error(rid)
             if error is not None:
                 raise error
-        return [finals[i] for i in ids]
+        result: list[RequestOutput] = []
+        for group, sp in zip(groups, per_prompt):
+            outs = [finals[i] for i in group]
+            result.extend(select_best(outs, sp.n) if sp.num_samples > sp.n else outs)
+        return result
 
     def stats(self) -> EngineStats:
         return EngineStats(

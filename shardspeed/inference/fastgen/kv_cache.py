@@ -45,14 +45,34 @@ class KVCacheSpec:
         )
 
 
+# Default KV budget: this fraction of free memory, capped (see resolve_num_blocks).
+DEFAULT_KV_FRACTION = {"cuda": 0.9, "cpu": 0.1}
+CPU_KV_CAP_BYTES = 4 * 2**30  # as vLLM's default CPU KV space
+
+
 def free_memory_bytes(device: torch.device) -> int:
-    """Free device memory (CUDA) or available host memory (CPU, via psutil)."""
+    """Free device memory (CUDA) or available host memory (CPU: psutil, else /proc/meminfo)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import psutil
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the value is in kB
+    raise RuntimeError(
+        "cannot tell the available host memory (no psutil, no MemAvailable in /proc/meminfo); "
+        "set EngineConfig.num_blocks or kv_cache_memory (bytes)."
+    )
 
-    return int(psutil.virtual_memory().available)
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"
 
 
 def resolve_num_blocks(
@@ -60,57 +80,62 @@ def resolve_num_blocks(
     device: torch.device,
     num_blocks: int | None,
     kv_cache_memory: int | float | None,
-    default_tokens: int,
+    max_useful_tokens: int,
 ) -> int:
-    """Pick ``num_blocks``: explicit, from a byte/fraction budget, or a default.
+    """Pick ``num_blocks``: explicit, from a byte budget, or from a fraction of free memory.
 
-    The default holds ``default_tokens`` token slots, capped at 90% of free CUDA
-    memory or 25% of available host memory. The arithmetic is logged in one line.
+    A fraction (``kv_cache_memory`` float, default 0.9 of free CUDA memory or 0.1 of
+    available host memory, the latter at most 4 GiB) is capped at the bytes of
+    ``max_useful_tokens`` slots (every sequence at ``max_seq_len``): the cache never
+    depends on ``max_position_embeddings`` alone. The arithmetic is logged in one line.
     """
     per_block = spec.bytes_per_block
-    how = ""
     if num_blocks is not None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks={num_blocks!r} must be an int >= 1.")
         how = "num_blocks given"
+    elif isinstance(kv_cache_memory, int) and not isinstance(kv_cache_memory, bool):
+        if kv_cache_memory <= 0:
+            raise ValueError(
+                f"EngineConfig.kv_cache_memory={kv_cache_memory!r} must be a positive int "
+                "(bytes) or a float fraction in (0, 1] of free memory."
+            )
+        num_blocks, how = kv_cache_memory // per_block, f"kv_cache_memory = {kv_cache_memory} B"
     else:
         if kv_cache_memory is None:
-            frac = 0.9 if device.type == "cuda" else 0.25
-            cap = int(free_memory_bytes(device) * frac)
-            want = -(-default_tokens // spec.block_size) * per_block
-            budget, how = (
-                min(cap, want),
-                (
-                    f"default: {default_tokens} tokens, capped at {frac:.0%} of free memory ({cap} B)"
-                ),
-            )
-        elif isinstance(kv_cache_memory, float) and not isinstance(kv_cache_memory, bool):
-            if not 0.0 < kv_cache_memory <= 1.0:
+            frac = DEFAULT_KV_FRACTION["cuda" if device.type == "cuda" else "cpu"]
+        elif isinstance(kv_cache_memory, float):
+            frac = kv_cache_memory
+            if not 0.0 < frac <= 1.0:
                 raise ValueError(
-                    f"EngineConfig.kv_cache_memory={kv_cache_memory} is a fraction outside (0, 1]; "
-                    "pass a fraction like 0.5 or a byte count as an int."
+                    f"EngineConfig.kv_cache_memory={kv_cache_memory} is a fraction outside "
+                    "(0, 1]; pass a fraction like 0.5 or a byte count as an int."
                 )
-            free = free_memory_bytes(device)
-            budget, how = int(free * kv_cache_memory), f"{kv_cache_memory} x free {free} B"
-        elif isinstance(kv_cache_memory, int) and kv_cache_memory > 0:
-            budget, how = kv_cache_memory, "kv_cache_memory bytes"
         else:
             raise ValueError(
                 f"EngineConfig.kv_cache_memory={kv_cache_memory!r} must be a positive int (bytes) "
                 "or a float fraction in (0, 1] of free memory."
             )
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"KV cache budget {budget} B ({how}) is smaller than one block ({per_block} B); "
-                "raise EngineConfig.kv_cache_memory or set num_blocks."
-            )
+        free = free_memory_bytes(device)
+        terms = [(frac * free, f"{frac:g} x {_gib(free)} free")]
+        if device.type != "cuda" and kv_cache_memory is None:
+            terms.append((CPU_KV_CAP_BYTES, f"CPU cap {_gib(CPU_KV_CAP_BYTES)}"))
+        useful = -(-max_useful_tokens // spec.block_size) * per_block
+        terms.append((useful, f"{max_useful_tokens} useful tokens = {_gib(useful)}"))
+        budget, _ = min(terms)
+        num_blocks = int(budget) // per_block
+        how = f"budget = min({', '.join(t for _, t in terms)}) = {_gib(budget)}"
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget ({how}) is smaller than one block ({per_block} B); "
+            "raise EngineConfig.kv_cache_memory or set num_blocks."
+        )
     logger.info(
-        "KV cache: bytes per block = 2 * %d layers * %d block_size * %d kv_heads * %d head_dim * "
-        "%d B (%s) = %d B; num_blocks = %d (%s) -> %.1f MiB, %d token slots",
-        spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype_bytes,
-        str(spec.dtype).replace("torch.", ""), per_block, num_blocks, how,
-        num_blocks * per_block / 2**20, num_blocks * spec.block_size,
+        "KV cache: %s; bytes per block = 2 * %d layers * %d block_size * %d kv_heads * "
+        "%d head_dim * %d B (%s) = %d B -> num_blocks = %d = %s, %d token slots",
+        how, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
+        spec.dtype_bytes, str(spec.dtype).replace("torch.", ""), per_block, num_blocks,
+        _gib(num_blocks * per_block), num_blocks * spec.block_size,
     )  # fmt: skip
     return num_blocks
 
@@ -142,3 +167,9 @@ class KVCache:
         k_flat, v_flat = self.flat(layer)
         k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s K/V (every layer) into block ``dst`` (forking a sequence)."""
+        for layer in range(self.spec.num_layers):
+            self.k[layer][dst].copy_(self.k[layer][src])
+            self.v[layer][dst].copy_(self.v[layer][src])

@@ -143,12 +143,20 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
 
 
 def build_model(
-    model_or_path: Any, dtype: torch.dtype | str | None, device: torch.device
+    model_or_path: Any,
+    dtype: torch.dtype | str | None,
+    device: torch.device,
+    quantization: Any = None,
 ) -> tuple[RaggedModel, dict[str, Any]]:
-    """A ragged model on ``device`` in ``dtype`` (None: checkpoint dtype; fp16 -> fp32 on CPU)."""
+    """A ragged model on ``device`` in ``dtype`` (None: checkpoint dtype; fp16 -> fp32 on CPU).
+
+    ``quantization`` (a :class:`~shardspeed.inference.quantization.WeightQuantConfig`,
+    its name or dict) quantizes the linear layers once the weights are loaded.
+    """
     dtype = parse_dtype(dtype)
     if isinstance(model_or_path, RaggedModel):
         model = model_or_path.to(device=device, dtype=dtype) if dtype else model_or_path.to(device)
+        _quantize(model, quantization)
         return model.eval(), {"model_type": model.model_type}
     config, weights, source_dtype = describe_source(model_or_path)
     if dtype is None:
@@ -161,12 +169,22 @@ def build_model(
     _materialize(model, dtype, device)
     model.tie_weights()
     model.load_weights(weights)
+    _quantize(model, quantization)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (%s, %.1fM params) on %s as %s", cls.__name__, config.get("model_type"),
         n_params / 1e6, device, str(dtype).replace("torch.", ""),
     )  # fmt: skip
     return model.eval(), config
+
+
+def _quantize(model: RaggedModel, quantization: Any) -> None:
+    """Weight-only quantization of ``model``'s linear layers in place (None: nothing)."""
+    if quantization is None:
+        return
+    from shardspeed.inference.quantization import quantize_model
+
+    quantize_model(model, quantization)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

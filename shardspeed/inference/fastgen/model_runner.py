@@ -1,27 +1,83 @@
-"""Runs one ragged forward of a scheduled batch and returns the logits rows needed."""
+"""Runs one ragged forward of a scheduled batch and returns the logits rows needed.
+
+Decode-only batches may take the compiled static-shape step of
+:mod:`~shardspeed.inference.fastgen.compiled_decode` (``EngineConfig.compile_decode``);
+everything else (prompt chunks, mixed batches) runs the eager ragged forward.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from shardspeed.inference.fastgen.compiled_decode import CompiledDecoder, unsupported_reason
 from shardspeed.inference.fastgen.kv_cache import KVCache
 from shardspeed.inference.fastgen.models import RaggedModel
 from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+COMPILE_DECODE_CHOICES = (None, False, True, "compile", "cuda_graph")
+
+
+def resolve_compile_decode(
+    requested: bool | str | None, model: RaggedModel, device: torch.device
+) -> str | None:
+    """The compiled-decode mode to use (``"compile"``, ``"cuda_graph"``) or None for eager.
+
+    ``None`` (auto) is eager today: on CPU the compiled step is faster per token but its
+    one-off Inductor compile costs ~10 s (minutes on a loaded machine; see
+    docs/inference.md), and the CUDA-graph path has not been measured on a GPU yet.
+    ``True`` asks for the device's mode (CUDA graphs on CUDA, ``torch.compile`` on
+    CPU) and raises when the model cannot take the path; ``False`` keeps eager.
+    """
+    if requested not in COMPILE_DECODE_CHOICES:
+        raise ValueError(
+            f"EngineConfig.compile_decode={requested!r} is not supported; choose one of "
+            f"{COMPILE_DECODE_CHOICES} (None = auto, currently eager)."
+        )
+    if requested is None or requested is False:
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(
+            f"EngineConfig.compile_decode={requested!r} but the model cannot take the compiled "
+            f"decode path ({reason}); use compile_decode=False."
+        )
+    if requested is True:
+        return "cuda_graph" if device.type == "cuda" else "compile"
+    return requested
 
 
 class ModelRunner:
     """Owns the model and its KV cache; ``execute`` = flatten, forward, return logits."""
 
-    def __init__(self, model: RaggedModel, kv_cache: KVCache, device: torch.device, backend: str):
+    def __init__(
+        self,
+        model: RaggedModel,
+        kv_cache: KVCache,
+        device: torch.device,
+        backend: str,
+        compile_decode: bool | str | None = None,
+        max_batch: int = 64,
+        max_seq_len: int = 4096,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
         self.block_size = kv_cache.spec.block_size
+        mode = resolve_compile_decode(compile_decode, model, device)
+        self.compiled: CompiledDecoder | None = None
+        if mode is not None:
+            self.compiled = CompiledDecoder(model, kv_cache, device, max_batch, max_seq_len, mode)
+            logger.info("compiled decode: mode=%s, batch buckets %s", mode, self.compiled.buckets)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[M, vocab]`` (fp32) for the sequences with ``needs_logits``, in batch order."""
+        if self.compiled is not None and self.compiled.accepts(batch):
+            return self.compiled.run(batch).float()
         ragged = build_ragged_batch(batch, self.block_size, self.device, self.backend)
         return self.model(ragged, self.kv_cache).float()

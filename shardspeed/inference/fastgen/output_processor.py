@@ -17,7 +17,12 @@ def decode(tokenizer: Any, token_ids: list[int]) -> str:
 
 
 class OutputProcessor:
-    """Applies stop rules in order: stop/EOS token, stop string, length."""
+    """Applies stop rules in order: stop/EOS token, stop string, length.
+
+    Stop strings are searched in the detokenized text, so a stop string split across
+    several tokens is found once its last piece arrives. Below ``min_tokens`` no stop
+    rule but the context length applies.
+    """
 
     def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_seq_len: int):
         self.tokenizer = tokenizer
@@ -29,14 +34,18 @@ class OutputProcessor:
         req.append_token(token, now)
         params = req.params
         reason = None
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
+        may_stop = len(req.output_token_ids) >= params.min_tokens  # no stop before min_tokens
+        if may_stop and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
         ):
             reason = "stop"
         if self.tokenizer is not None:
             req.text = decode(self.tokenizer, req.output_token_ids)
-            if reason is None and params.stop and self._trim_at_stop_string(req):
+            if reason is None and may_stop and params.stop and self._trim_at_stop_string(req):
                 reason = "stop"
+            elif not may_stop:  # a stop string completed below min_tokens does not count
+                req.stop_checked_chars = len(req.text)
         if reason is None and (
             len(req.output_token_ids) >= params.max_new_tokens or req.num_tokens >= self.max_seq_len
         ):

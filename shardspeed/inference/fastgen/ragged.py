@@ -4,6 +4,9 @@ All scheduled tokens of all sequences are concatenated into ``[N]`` vectors with
 no padding: ``input_ids``, ``positions`` (``start_position + arange(n)`` per
 sequence) and ``slot_mapping``. ``logits_indices`` are the rows whose logits are
 needed (the last token of every sequence whose chunk reaches its final token).
+``rope_lens`` is the sequence length each token's length-dependent RoPE (dynamic,
+longrope) is computed for: ``max(rope_base_len, position + 1)``, what HF's
+``generate`` uses whatever the chunking (see ``Request.rope_base_len``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class RaggedBatch:
     slot_mapping: torch.Tensor  # [N] long
     logits_indices: torch.Tensor  # [M] long
     attn: AttentionMetadata
+    rope_lens: torch.Tensor | None = None  # [N] long, see the module docstring
 
     @property
     def num_tokens(self) -> int:
@@ -39,11 +43,15 @@ def build_ragged_batch(
     positions: list[int] = []
     slots: list[int] = []
     logits_indices: list[int] = []
+    rope_bases: list[int] = []
     for seq in batch.sequences:
         input_ids.extend(seq.token_ids)
         positions.extend(range(seq.start_position, seq.context_len))
+        rope_bases.extend([seq.rope_base_len] * seq.num_tokens)
         slots.extend(seq.slot_mapping)
-        if seq.needs_logits:
+        if seq.all_logits:  # every token's logits (prompt logprobs)
+            logits_indices.extend(range(len(input_ids) - seq.num_tokens, len(input_ids)))
+        elif seq.needs_logits:
             logits_indices.append(len(input_ids) - 1)
 
     if backend == "flash":
@@ -54,12 +62,14 @@ def build_ragged_batch(
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
+    positions_t = as_long(positions)
     return RaggedBatch(
         input_ids=as_long(input_ids),
-        positions=as_long(positions),
+        positions=positions_t,
         slot_mapping=as_long(slots),
         logits_indices=as_long(logits_indices),
         attn=attn,
+        rope_lens=torch.maximum(positions_t + 1, as_long(rope_bases)),
     )
 
 

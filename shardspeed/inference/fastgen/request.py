@@ -14,8 +14,16 @@ import time
 import torch
 
 from shardspeed.inference.fastgen.block_pool import hash_block_tokens
-from shardspeed.inference.fastgen.outputs import RequestMetrics, RequestOutput
-from shardspeed.inference.fastgen.sampling_params import SamplingParams
+from shardspeed.inference.fastgen.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from shardspeed.inference.fastgen.sampling_params import SEED_MIN, SamplingParams
+
+
+def sample_request_ids(request_id: str, num_samples: int) -> list[str]:
+    """Ids of the samples of one request: itself alone, or ``"<id>#<i>"`` for each of
+    ``num_samples`` > 1 samples."""
+    if num_samples == 1:
+        return [request_id]
+    return [f"{request_id}#{i}" for i in range(num_samples)]
 
 
 class RequestStatus(enum.Enum):
@@ -33,8 +41,10 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        index: int = 0,
     ):
         self.request_id = request_id
+        self.index = index  # sample index among the n / best_of samples of one prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
@@ -45,6 +55,12 @@ class Request:
         self.num_registered_blocks = 0  # full blocks already offered to the prefix cache
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # tokens taken from the prefix cache at admission
+        # Length-dependent RoPE (dynamic, longrope): the token at position p is rotated for
+        # sequence length max(rope_base_len, p + 1), as HF's generate computes it: the prompt
+        # for the prompt's length, each generated token for its own. The scheduler raises it
+        # when it recomputes the whole sequence (longrope crossing its original length).
+        self.rope_base_len = len(self.prompt_token_ids)
+        self.hash_root = b"root"  # root of the block-hash chain (keyed by the RoPE variant)
         self.finish_reason: str | None = None
         self.text = ""
         self.stop_checked_chars = 0  # text length already searched for stop strings
@@ -52,10 +68,18 @@ class Request:
         self.metrics = RequestMetrics(
             arrival_time=time.perf_counter() if arrival_time is None else arrival_time
         )
+        self.fork_ids: list[str] = []  # sample ids to fork from this request after prefill
+        self.min_tokens_suppressed_ids: list[int] = []  # EOS / stop ids masked below min_tokens
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self.cumulative_logprob = 0.0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(params.seed)
+            # Sample i of a seeded request draws from seed + i (wrapped into the valid range).
+            self.generator.manual_seed((params.seed + index - SEED_MIN) % 2**64 + SEED_MIN)
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -95,12 +119,33 @@ class Request:
         num_full = min(upto_tokens, self.num_tokens) // block_size
         while len(self.block_hashes) < num_full:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else None
+            parent = self.block_hashes[-1] if i else self.hash_root
             tokens = self.token_slice(i * block_size, (i + 1) * block_size)
             self.block_hashes.append(hash_block_tokens(parent, tokens))
         return self.block_hashes[:num_full]
 
+    def new_sample(self, sample_id: str) -> Request:
+        """Another sample of this request's prompt (``sample_id`` ends in ``#<index>``),
+        waiting, with the prompt state this request has recorded so far."""
+        index = int(sample_id.rsplit("#", 1)[1])
+        sample = Request(
+            sample_id, self.prompt_token_ids, self.params, self.metrics.arrival_time, index
+        )
+        sample.min_tokens_suppressed_ids = self.min_tokens_suppressed_ids
+        sample.rope_base_len = self.rope_base_len
+        sample.hash_root = self.hash_root
+        sample.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        if self.prompt_logprobs is not None:
+            sample.prompt_logprobs = list(self.prompt_logprobs)
+        return sample
+
     # ----------------------------------------------------------------- outputs
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while some prompt tokens still lack their log probability."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < len(self.prompt_token_ids)
+
     def append_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
         if self.metrics.first_token_time is None:
@@ -125,6 +170,10 @@ class Request:
             finished=self.is_finished,
             finish_reason=self.finish_reason,
             metrics=self.metrics,
+            index=self.index,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            cumulative_logprob=self.cumulative_logprob if self.params.needs_logprobs else None,
         )
 
     def __repr__(self) -> str:

@@ -1,9 +1,12 @@
-"""Next-token selection: repetition penalty, temperature, top-k, top-p, seeded draws.
+"""Next-token selection: logits processors, temperature, top-k, top-p, seeded draws.
 
-The order matches HF ``generate``: repetition penalty, then temperature, top-k,
-top-p. Rows whose requests share the same parameters are processed as one
-batch; draws use each request's own ``torch.Generator`` when it has a seed, so
-its samples do not depend on what else is in the batch.
+Order: the per-request processors of :func:`process_logits` (HF's repetition
+penalty, OpenAI's presence / frequency penalties, ``logit_bias``, the ``min_tokens``
+EOS/stop mask), then temperature, top-k, top-p as in HF ``generate``. Log
+probabilities (``fastgen/logprobs.py``) are the log-softmax of the processed logits,
+before temperature and filtering. Rows whose requests share temperature/top-k/top-p
+are drawn as one batch; draws use each request's own ``torch.Generator`` when it has
+a seed, so its samples do not depend on what else is in the batch.
 
 Every path is numerically guarded: extreme parameters (``repetition_penalty=1e-300``,
 a tiny temperature) or non-finite model logits can push logits to ``inf``/``nan``;
@@ -38,6 +41,58 @@ def apply_repetition_penalty(
         seen = logits[row, idx]
         logits[row, idx] = torch.where(seen < 0, seen * penalty, seen / penalty)
     return logits
+
+
+def apply_presence_frequency_penalties(
+    logits: torch.Tensor, output_ids: Sequence[int], presence: float, frequency: float
+) -> torch.Tensor:
+    """OpenAI's penalties on one row ``[V]`` (in place): ``logit[j] -= c[j] * frequency
+    + (c[j] > 0) * presence`` where ``c[j]`` counts token ``j`` in the generated output."""
+    if not output_ids or (presence == 0.0 and frequency == 0.0):
+        return logits
+    ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+    counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)  # [V]
+    logits -= counts * frequency + (counts > 0).to(logits.dtype) * presence
+    return logits
+
+
+def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Float32 copy of ``logits`` (``[M, V]``) after each row's request-level processors.
+
+    In order: repetition penalty (HF's, over prompt + output), presence / frequency
+    penalties (OpenAI's, over the output), ``logit_bias``, and ``-inf`` on EOS / stop
+    token ids while the output is shorter than ``min_tokens``.
+    """
+    rows = [i for i, r in enumerate(requests) if _has_processors(r)]
+    if not rows:
+        return logits.float()  # nothing to change: no copy
+    out = logits.float().clone()
+    for row in rows:
+        req = requests[row]
+        p = req.params
+        if p.repetition_penalty != 1.0:
+            apply_repetition_penalty(out[row : row + 1], [req.all_token_ids], p.repetition_penalty)
+        apply_presence_frequency_penalties(
+            out[row], req.output_token_ids, p.presence_penalty, p.frequency_penalty
+        )
+        if p.logit_bias:
+            idx = torch.tensor(list(p.logit_bias), dtype=torch.long, device=out.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=out.device)
+            out[row].index_add_(0, idx, bias)
+        if len(req.output_token_ids) < p.min_tokens and req.min_tokens_suppressed_ids:
+            out[row, list(req.min_tokens_suppressed_ids)] = float("-inf")
+    return out
+
+
+def _has_processors(req: Request) -> bool:
+    p = req.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or bool(p.logit_bias)
+        or p.min_tokens > 0
+    )
 
 
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -84,20 +139,18 @@ def apply_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _group_key(req: Request) -> tuple:
     p = req.params
-    return (p.temperature, p.top_k, p.top_p, p.repetition_penalty)
+    return (p.temperature, p.top_k, p.top_p)
 
 
 def sample_next_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
     """One next token per row of ``logits`` (``[M, V]``, row ``i`` for ``requests[i]``)."""
-    logits = logits.float()
+    logits = process_logits(logits, requests)
     groups: dict[tuple, list[int]] = {}
     for row, req in enumerate(requests):
         groups.setdefault(_group_key(req), []).append(row)
     result = [0] * len(requests)
-    for (temperature, top_k, top_p, penalty), rows in groups.items():
+    for (temperature, top_k, top_p), rows in groups.items():
         group = logits[torch.tensor(rows, device=logits.device)]  # [G, V] (a copy)
-        if penalty != 1.0:
-            apply_repetition_penalty(group, [requests[r].all_token_ids for r in rows], penalty)
         if temperature == 0.0:
             chosen = finite_logits(group).argmax(dim=-1).tolist()
         else:

@@ -20,6 +20,17 @@ class SamplingParams:
     ``max_new_tokens``, at any id in ``stop_token_ids``, at the tokenizer's EOS
     (unless ``ignore_eos``), or when the detokenized text contains a string from
     ``stop`` (the stop string is trimmed from the returned text).
+
+    OpenAI / vLLM extras: ``n`` samples per prompt (``best_of`` >= n drawn, the
+    ``n`` with the highest cumulative log probability returned); the samples share
+    the prompt's KV blocks. ``logprobs`` (k >= 0) records each generated token's log
+    probability plus its ``k`` most likely alternatives; ``prompt_logprobs`` does the
+    same for the prompt tokens (for ``echo``). ``presence_penalty`` /
+    ``frequency_penalty`` follow OpenAI's definition over the generated tokens;
+    ``logit_bias`` adds a value to given token ids; ``min_tokens`` suppresses EOS,
+    ``stop_token_ids`` and stop strings until that many tokens exist. ``truncate``:
+    when prompt + ``max_new_tokens`` exceeds the engine's ``max_seq_len``, True stops
+    at the context (``finish_reason="length"``), False rejects the request.
     """
 
     max_new_tokens: int = 128
@@ -31,6 +42,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    best_of: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         # Accept the common single-value spellings: stop="\n", stop_token_ids=2.
@@ -38,6 +58,16 @@ class SamplingParams:
             self.stop = [self.stop]
         if isinstance(self.stop_token_ids, int):
             self.stop_token_ids = [self.stop_token_ids]
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the prompt (``best_of`` when set, else ``n``)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """True when each generated token's log probability must be computed."""
+        return self.logprobs is not None or self.num_samples > self.n
 
     @property
     def greedy(self) -> bool:
@@ -90,3 +120,50 @@ class SamplingParams:
                 f"SamplingParams.stop contains invalid entries {bad_stops!r}: every stop string "
                 "must be a non-empty str."
             )
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n!r} is invalid: it must be an int >= 1.")
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(
+                f"SamplingParams.best_of={self.best_of!r} is invalid: it must be None or an int "
+                f">= n={self.n}; pass best_of >= n or leave it None."
+            )
+        if self.num_samples > 1 and self.greedy:
+            raise ValueError(
+                f"SamplingParams n={self.n}, best_of={self.best_of} with temperature=0 would give "
+                "identical greedy samples; pass temperature > 0 or n=1."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                raise ValueError(
+                    f"SamplingParams.{name}={value!r} is invalid: it must be None or an int >= 0 "
+                    "(how many top alternatives to return per token)."
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(
+                    f"SamplingParams.{name}={value!r} is invalid: it must be a float in "
+                    "[-2, 2] (OpenAI's range; 0 disables it)."
+                )
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens={self.min_tokens!r} is invalid: it must be an int in "
+                f"[0, max_new_tokens={self.max_new_tokens}]."
+            )
+        for token, bias in self.logit_bias.items():
+            if not is_int(token) or token < 0:
+                raise ValueError(
+                    f"SamplingParams.logit_bias has key {token!r}: keys must be token ids >= 0."
+                )
+            if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"SamplingParams.logit_bias[{token}]={bias!r} is invalid: biases must be "
+                    "numbers in [-100, 100] (OpenAI's range)."
+                )

@@ -19,14 +19,33 @@ by recompute: its blocks are freed, its ``num_computed_tokens`` is reset and it
 goes back to the front of the waiting queue (its generated tokens are recomputed
 together with its prompt when it is re-admitted). A step that preempted admits no
 new requests.
+
+Model-dependent KV rules (set by the engine from the model):
+
+* ``kv_window`` (every layer slides over the last ``kv_window`` tokens): before a
+  step, blocks that end before ``num_computed_tokens - kv_window + 1`` can never be
+  read again; they are freed and left as :data:`~.block_pool.PLACEHOLDER_BLOCK` in
+  the request's table, so a decoding request holds at most
+  ``ceil((kv_window - 1) / block_size) + 1`` blocks. A freed block that was
+  registered in the prefix cache keeps its hash: its K/V are a function of the
+  tokens its hash chain covers and stay untouched until the block is reallocated
+  (which drops the hash). Prefix lookups then need only the blocks inside the
+  window of the first uncomputed token.
+* ``rope_recompute_len`` (longrope): when a request reaches this many tokens
+  while its cached keys were rotated for a shorter length, its KV is dropped and
+  recomputed for the new length, as HF's Phi-3 ``generate`` does.
+* ``rope_key``: the RoPE variant a request's keys are rotated with (part of the
+  prefix-cache hash, so keys rotated for another length are never shared).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shardspeed.inference.fastgen.block_pool import BlockPool
+from shardspeed.inference.fastgen.block_pool import PLACEHOLDER_BLOCK, BlockPool
+from shardspeed.inference.fastgen.kv_cache import KVCache
 from shardspeed.inference.fastgen.request import Request, RequestStatus
 from shardspeed.utils.logging import get_logger
 
@@ -43,8 +62,17 @@ class ScheduledSequence:
     token_ids: list[int]  # the tokens computed this step
     start_position: int  # == num_computed_tokens before this step
     slot_mapping: list[int]  # KV slot of each token
-    block_table: list[int]  # the sequence's blocks (covering context_len)
+    # the sequence's blocks (covering context_len); blocks freed outside the attention
+    # window are replaced by one of the sequence's own live blocks (its keys are masked)
+    block_table: list[int]
     needs_logits: bool  # True when the chunk ends at the request's last token
+    all_logits: bool = False  # logits of every token of the chunk (prompt logprobs)
+    rope_base_len: int = 0  # see Request.rope_base_len (0: positions alone)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits this sequence contributes to the step's output."""
+        return self.num_tokens if self.all_logits else int(self.needs_logits)
 
     @property
     def num_tokens(self) -> int:
@@ -120,13 +148,92 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.num_preemptions = 0
+        # Set by the engine from the model (see the module docstring).
+        self.kv_window: int | None = None
+        self.rope_recompute_len: int | None = None
+        self.rope_key: Callable[[int], bytes] | None = None
+        self.num_rope_recomputes = 0
+        self.num_window_freed_blocks = 0
+
+    def max_blocks_needed(self, num_kv_tokens: int) -> int:
+        """Blocks a request with ``num_kv_tokens`` cached tokens must hold at once to make
+        progress: all of them, or with ``kv_window`` those of one window plus one."""
+        full = self.pool.blocks_for_tokens(num_kv_tokens)
+        if self.kv_window is None:
+            return full
+        return min(full, self.pool.blocks_for_tokens(self.kv_window - 1) + 1)
 
     # -------------------------------------------------------------- queue ops
     def add(self, req: Request) -> None:
+        self._set_rope_base(req, req.rope_base_len)
         self.waiting.append(req)
+
+    def _set_rope_base(self, req: Request, base: int) -> None:
+        """Set the length ``req``'s keys are rotated for; re-key its prefix hashes."""
+        req.rope_base_len = base
+        root = b"root" + (self.rope_key(base) if self.rope_key is not None else b"")
+        if root != req.hash_root:
+            req.hash_root = root
+            req.block_hashes = []
+
+    def _first_live_block(self, num_computed: int) -> int:
+        """Index of the first block a query at position >= ``num_computed`` may read."""
+        if self.kv_window is None:
+            return 0
+        return max(0, num_computed - self.kv_window + 1) // self.block_size
+
+    def _release_window(self, req: Request) -> None:
+        """Free ``req``'s blocks that lie wholly before its attention window."""
+        first = self._first_live_block(req.num_computed_tokens)
+        table = req.block_table
+        if first == 0 or not table or table[first - 1] == PLACEHOLDER_BLOCK:
+            return  # placeholders always form a prefix of the table
+        dead = [b for b in table[:first] if b != PLACEHOLDER_BLOCK]
+        self.pool.free(dead)
+        table[:first] = [PLACEHOLDER_BLOCK] * first
+        self.num_window_freed_blocks += len(dead)
+
+    def _needs_rope_recompute(self, req: Request) -> bool:
+        """True when ``req`` grew past ``rope_recompute_len`` but its base length is below."""
+        limit = self.rope_recompute_len
+        return limit is not None and req.num_tokens >= limit > req.rope_base_len
+
+    def _rope_recompute(self, req: Request) -> None:
+        """Drop ``req``'s KV so it is recomputed for its full current length (HF drops its
+        cache at this point too)."""
+        if req.block_table:
+            self._free_blocks(req)
+            self.num_rope_recomputes += 1
+            logger.debug("recomputing %s for rope length %d", req.request_id, req.num_tokens)
+        self._set_rope_base(req, req.num_tokens)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def add_forked(self, child: Request, parent: Request, kv_cache: KVCache) -> bool:
+        """Start ``child`` (same prompt as ``parent``, whose prefill just completed) on
+        ``parent``'s KV: full blocks are shared by reference count, the partly filled
+        last block is copied. Returns False (child left untouched) when no block is free
+        for that copy; the caller then queues the child to compute its own prompt."""
+        bs = self.block_size
+        num_full = parent.num_computed_tokens // bs
+        partial = parent.num_computed_tokens % bs
+        if partial and self.pool.num_free < 1:
+            return False
+        table = self.pool.fork(parent.block_table[:num_full])  # placeholders stay placeholders
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            kv_cache.copy_block(parent.block_table[num_full], copy)
+            table.append(copy)
+        child.block_table = table
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        child.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        child.rope_base_len, child.hash_root = parent.rope_base_len, parent.hash_root
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return True
 
     def finish(self, req: Request, reason: str, now: float | None = None) -> None:
         """Mark ``req`` finished and give its blocks back."""
@@ -141,6 +248,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Grant this step's tokens and allocate their blocks."""
         plan = _StepPlan(self.max_ragged_batch_size, self.max_ragged_sequence_count)
+        for req in self.running:
+            if self._needs_rope_recompute(req):
+                self._rope_recompute(req)  # recomputes from token 0 in this very step
+            self._release_window(req)
         if self.policy == "prefill_first":
             self._schedule_running(plan, prefills=True, decodes=False)
             if not plan.preempted:
@@ -170,7 +281,7 @@ class Scheduler:
             while True:
                 got = self._fit(req, n, partial=not req.is_decoding, reserve=0)
                 if got > 0:
-                    plan.grant(req, got)
+                    self._grant(plan, req, got)
                     break
                 if not req.block_table:
                     break  # holds nothing yet (static batch): wait rather than evict others
@@ -182,6 +293,8 @@ class Scheduler:
     def _admit_waiting(self, plan: _StepPlan, whole_prompts: bool) -> None:
         while self.waiting and not plan.full():
             req = self.waiting[0]
+            if self._needs_rope_recompute(req):
+                self._rope_recompute(req)
             self._take_prefix_hits(req)
             n = req.num_remaining_tokens
             if n > plan.token_budget:
@@ -197,11 +310,13 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            plan.grant(req, got)
+            self._grant(plan, req, got)
 
     def _admit_static_batch(self) -> None:
         while self.waiting and len(self.running) < self.max_ragged_sequence_count:
             req = self.waiting.popleft()
+            if self._needs_rope_recompute(req):
+                self._rope_recompute(req)
             self._take_prefix_hits(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -225,13 +340,44 @@ class Scheduler:
         req.block_table.extend(self.pool.allocate(avail))
         return slack + avail * self.block_size
 
+    def _grant(self, plan: _StepPlan, req: Request, n: int) -> None:
+        """Grant ``n`` tokens of ``req`` and, under prefix caching, offer the blocks this
+        step fills to requests admitted after it in the same step: every layer writes the
+        step's K/V before any sequence attends, so they read this step's values."""
+        plan.grant(req, n)
+        self._register_blocks(req, req.num_computed_tokens + n)
+
+    def _register_blocks(self, req: Request, upto_tokens: int) -> None:
+        """Register ``req``'s full blocks within its first ``upto_tokens`` tokens."""
+        if not self.pool.enable_prefix_caching:
+            return
+        hashes = req.compute_block_hashes(self.block_size, upto_tokens)
+        for i in range(req.num_registered_blocks, len(hashes)):
+            self.pool.register(req.block_table[i], hashes[i])  # (skips placeholders)
+        req.num_registered_blocks = max(req.num_registered_blocks, len(hashes))
+
+    def uncomputed_registered_blocks(self, req: Request) -> list[int]:
+        """Blocks of ``req`` offered to the prefix cache that its K/V does not fill yet."""
+        first = req.num_computed_tokens // self.block_size
+        return req.block_table[first : req.num_registered_blocks]
+
+    def requeue(self, req: Request) -> None:
+        """Send a running request back to the front of the queue to recompute (its step's
+        results are dropped), as a preemption does."""
+        if req in self.running:
+            self.running.remove(req)
+        self._free_blocks(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
     def _take_prefix_hits(self, req: Request) -> None:
         """On admission, reuse cached full blocks of the request's leading tokens."""
-        if not self.pool.enable_prefix_caching or req.block_table:
-            return
+        if not self.pool.enable_prefix_caching or req.block_table or req.wants_prompt_logprobs:
+            return  # (prompt logprobs need the logits of every prompt position)
         # Leave at least the last token to compute so that there are logits to sample.
         hashes = req.compute_block_hashes(self.block_size, req.num_tokens - 1)
-        hits = self.pool.lookup(hashes)
+        hits = self._lookup(hashes)
         if hits:
             self.pool.touch(hits)
             req.block_table = list(hits)
@@ -240,8 +386,23 @@ class Scheduler:
             if not req.output_token_ids and not req.num_preemptions:
                 req.num_cached_prompt_tokens = req.num_computed_tokens
 
+    def _lookup(self, hashes: list[bytes]) -> list[int]:
+        """Cached blocks for the longest usable prefix of ``hashes``. With ``kv_window`` only
+        the blocks inside the window of the first uncomputed token must still be cached;
+        the ones before it become placeholders."""
+        if self.kv_window is None:
+            return self.pool.lookup(hashes)
+        cached = [self.pool.cached_block(h) for h in hashes]
+        for k in range(len(hashes), 0, -1):
+            first = self._first_live_block(k * self.block_size)
+            if all(cached[j] is not None for j in range(first, k)):
+                return [PLACEHOLDER_BLOCK] * first + [b for b in cached[first:k] if b is not None]
+        return []
+
     def _free_blocks(self, req: Request) -> None:
         if req.block_table:
+            for block in self.uncomputed_registered_blocks(req):
+                self.pool.forget(block)  # offered this step, never written: not a cache hit
             self.pool.free(req.block_table)
         req.block_table = []
         req.num_computed_tokens = 0
@@ -275,7 +436,8 @@ class Scheduler:
         batch = ScheduledBatch(preempted=plan.preempted)
         for req, n in plan.grants.values():
             start = req.num_computed_tokens
-            table = list(req.block_table)
+            live = req.block_table[start // bs]  # holds the step's first token
+            table = [live if b == PLACEHOLDER_BLOCK else b for b in req.block_table]
             slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             batch.sequences.append(
                 ScheduledSequence(
@@ -285,6 +447,8 @@ class Scheduler:
                     slot_mapping=slots,
                     block_table=table,
                     needs_logits=start + n == req.num_tokens,
+                    all_logits=req.wants_prompt_logprobs,
+                    rope_base_len=req.rope_base_len,
                 )
             )
         return batch
@@ -294,8 +458,4 @@ class Scheduler:
         for seq in batch.sequences:
             req = seq.request
             req.num_computed_tokens += seq.num_tokens
-            if self.pool.enable_prefix_caching:
-                hashes = req.compute_block_hashes(self.block_size, req.num_computed_tokens)
-                for i in range(req.num_registered_blocks, len(hashes)):
-                    self.pool.register(req.block_table[i], hashes[i])
-                req.num_registered_blocks = len(hashes)
+            self._register_blocks(req, req.num_computed_tokens)

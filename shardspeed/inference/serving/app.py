@@ -21,6 +21,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from shardspeed.inference.fastgen.output_processor import decode
+from shardspeed.inference.fastgen.outputs import select_best
 from shardspeed.inference.serving.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -30,6 +32,7 @@ from shardspeed.inference.serving.async_engine import (
 from shardspeed.inference.serving.chat import render_chat_prompt
 from shardspeed.inference.serving.errors import APIError, api_error_from, from_validation_error
 from shardspeed.inference.serving.json_body import read_json_body
+from shardspeed.inference.serving.logprobs_format import chat_logprobs, completion_logprobs
 from shardspeed.inference.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -105,7 +108,14 @@ class OpenAIServing:
         prompts = req.prompt_list()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "prompt: must be a non-empty string or token list", param="prompt")
-        params = self._sampling_params(req, req.max_tokens, "max_tokens")
+        params = self._sampling_params(
+            req, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set
+        )
+        params.best_of = req.best_of
+        if req.logprobs is not None:
+            params.logprobs = req.logprobs
+            params.prompt_logprobs = req.logprobs if req.echo else None
+        self._validate(params)
         return await self._generate(request, req, prompts, params, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -115,7 +125,11 @@ class OpenAIServing:
         default = min(self.settings.default_chat_max_tokens, self.settings.max_tokens_limit)
         max_tokens = req.max_completion_tokens or req.max_tokens or default
         param_name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        params = self._sampling_params(req, max_tokens, param_name)
+        explicit = bool(req.max_completion_tokens or req.max_tokens)
+        params = self._sampling_params(req, max_tokens, param_name, explicit)
+        if req.logprobs:
+            params.logprobs = req.top_logprobs or 0
+        self._validate(params)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             prompt = render_chat_prompt(
@@ -130,7 +144,8 @@ class OpenAIServing:
     async def _generate(
         self, request: Request, req: _SamplingFields, prompts: list[Any], params: Any, chat: bool
     ) -> Response:
-        streams = self._submit_all(prompts, params)
+        groups = self._submit_all(prompts, params)
+        streams = [s for group in groups for s in group]
         try:
             firsts = await self._until_disconnect(
                 request, gather_or_cancel([self._next(s) for s in streams])
@@ -143,7 +158,14 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             events = event_stream(
-                self.settings.model_name, rid, streams, firsts, req.stop_list(), include_usage, chat
+                self.settings.model_name,
+                rid,
+                streams,
+                firsts,
+                req.stop_list(),
+                include_usage,
+                chat,
+                num_samples=params.num_samples,
             )
             return StreamingResponse(events, media_type="text/event-stream")
         try:
@@ -154,45 +176,71 @@ class OpenAIServing:
         finally:
             for s in streams:
                 s.abort()
+        return JSONResponse(dump(self._body(req, rid, finals, params, prompts, chat)))
+
+    def _body(
+        self,
+        req: _SamplingFields,
+        rid: str,
+        finals: list[Any],
+        params: Any,
+        prompts: list[Any],
+        chat: bool,
+    ) -> BaseModel:
+        """The non-streamed response: ``n`` choices per prompt (index ``i * n + j``)."""
+        tokenizer = self.engine.engine.tokenizer
+        echo = bool(getattr(req, "echo", False))
         usage = Usage()
-        texts = []
-        for out in finals:
-            usage.add(len(out.prompt_token_ids), len(out.output_token_ids))
-            texts.append(truncate_at_stop(out.text, req.stop_list())[0])
-        if chat:
-            choices = [
-                ChatChoice(
-                    index=i,
-                    message=ResponseMessage(content=t),
-                    finish_reason=finish_reason(o.finish_reason),
+        k = params.num_samples
+        chosen: list[Any] = []
+        for i in range(len(prompts)):
+            group = finals[i * k : (i + 1) * k]
+            usage.add(len(group[0].prompt_token_ids), 0)
+            for out in group:
+                usage.add(0, len(out.output_token_ids))
+            chosen += select_best(group, params.n) if k > params.n else group
+        choices: list[Any] = []
+        for index, out in enumerate(chosen):
+            text = truncate_at_stop(out.text, req.stop_list())[0]
+            reason = finish_reason(out.finish_reason)
+            if chat:
+                lp = chat_logprobs(tokenizer, out) if params.logprobs is not None else None
+                message = ResponseMessage(content=text)
+                choices.append(
+                    ChatChoice(index=index, message=message, logprobs=lp, finish_reason=reason)
                 )
-                for i, (t, o) in enumerate(zip(texts, finals, strict=True))
-            ]
-            body: BaseModel = ChatCompletionResponse(
-                id=rid, model=self.settings.model_name, choices=choices, usage=usage
+                continue
+            prefix = ""
+            if echo:
+                prompt = prompts[index // params.n]
+                prefix = prompt if isinstance(prompt, str) else decode(tokenizer, prompt)
+            lpc = None
+            if params.logprobs is not None:
+                lpc = completion_logprobs(tokenizer, out, echo)
+            choices.append(
+                CompletionChoice(
+                    index=index, text=prefix + text, logprobs=lpc, finish_reason=reason
+                )
             )
-        else:
-            choices_c = [
-                CompletionChoice(index=i, text=t, finish_reason=finish_reason(o.finish_reason))
-                for i, (t, o) in enumerate(zip(texts, finals, strict=True))
-            ]
-            body = CompletionResponse(
-                id=rid, model=self.settings.model_name, choices=choices_c, usage=usage
-            )
-        return JSONResponse(dump(body))
+        name = self.settings.model_name
+        if chat:
+            return ChatCompletionResponse(id=rid, model=name, choices=choices, usage=usage)
+        return CompletionResponse(id=rid, model=name, choices=choices, usage=usage)
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _submit_all(self, prompts: list[Any], params: Any) -> list[RequestStream]:
-        streams: list[RequestStream] = []
+    def _submit_all(self, prompts: list[Any], params: Any) -> list[list[RequestStream]]:
+        """One list of sample streams per prompt."""
+        groups: list[list[RequestStream]] = []
         try:
             for prompt in prompts:
-                streams.append(self.engine.submit(prompt, params))
+                groups.append(self.engine.submit_samples(prompt, params))
         except BaseException as exc:
-            for s in streams:
-                s.abort()
+            for group in groups:
+                for s in group:
+                    s.abort()
             raise api_error_from(exc) from exc
-        return streams
+        return groups
 
     @staticmethod
     async def _next(stream: RequestStream) -> Any:
@@ -262,7 +310,13 @@ class OpenAIServing:
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
 
-    def _sampling_params(self, req: _SamplingFields, max_tokens: int, param: str) -> Any:
+    def _sampling_params(
+        self, req: _SamplingFields, max_tokens: int, param: str, explicit: bool = True
+    ) -> Any:
+        """SamplingParams of ``req`` (validate with :meth:`_validate` after adjusting).
+
+        A ``max_tokens`` the client sent must fit the context with the prompt (400
+        otherwise, as vLLM); the server's default only runs up to the context."""
         from shardspeed.inference.fastgen.sampling_params import SamplingParams
 
         limit = self.settings.max_tokens_limit
@@ -281,12 +335,21 @@ class OpenAIServing:
             seed=req.seed,
             stop=req.stop_list(),
             ignore_eos=req.ignore_eos,
+            n=req.n,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            min_tokens=req.min_tokens,
+            logit_bias=req.logit_bias_ids(),
+            truncate=not explicit,
         )
+        return params
+
+    @staticmethod
+    def _validate(params: Any) -> None:
         try:
             params.validate()
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
-        return params
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings, own_engine: bool = True) -> Starlette:

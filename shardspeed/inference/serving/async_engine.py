@@ -201,11 +201,20 @@ class AsyncEngine:
         while adding the request (e.g. a prompt that is too long) come out of the
         stream's first read.
         """
+        return self.submit_samples(prompt, params, request_id)[0]
+
+    def submit_samples(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> list[RequestStream]:
+        """Like :meth:`submit`, with one stream per sample (``params.n`` / ``best_of``)."""
+        from shardspeed.inference.fastgen.request import sample_request_ids
+
         if not self.is_healthy:
             raise EngineDeadError(f"the inference engine is not running ({self.status_detail})")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        stream = RequestStream(request_id, self, loop)
+        sample_ids = sample_request_ids(request_id, params.num_samples)
+        streams = [RequestStream(sid, self, loop) for sid in sample_ids]
         with self._lock:
             if len(self._pending) >= self.max_queue:
                 self.metrics.record_rejected()
@@ -213,12 +222,13 @@ class AsyncEngine:
                     f"the server queue is full ({self.max_queue} requests waiting); retry later "
                     "or start the server with a larger max_queue"
                 )
-            if request_id in self._streams:
+            if any(sid in self._streams for sid in sample_ids):
                 raise ValueError(f"request_id={request_id!r} is already in use; pass a unique id.")
-            self._pending.add(request_id)
-            self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt, params))
-        return stream
+            for stream in streams:
+                self._pending.add(stream.request_id)
+                self._streams[stream.request_id] = stream
+        self._commands.put(("add", request_id, prompt, params, sample_ids))
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (safe from any thread): it leaves the queue at once and the
@@ -302,18 +312,23 @@ class AsyncEngine:
     def _apply(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params = cmd
+            _, request_id, prompt, params, sample_ids = cmd
             with self._lock:
-                stream = self._streams.get(request_id)
-            if stream is None:
-                return
+                streams = [self._streams.get(sid) for sid in sample_ids]
+            if all(stream is None for stream in streams):
+                return  # every sample was aborted before it reached the engine
             try:
                 self.engine.add_request(prompt, params, request_id=request_id)
             except Exception as exc:  # bad prompt or params: hand the error to the caller
-                self._forget(request_id)
-                self._deliver(stream.loop, [(stream, exc)])
+                for sid, stream in zip(sample_ids, streams):
+                    self._forget(sid)
+                    if stream is not None:
+                        self._deliver(stream.loop, [(stream, exc)])
                 return
-            self._in_engine.add(request_id)
+            for sid, stream in zip(sample_ids, streams):
+                self._in_engine.add(sid)
+                if stream is None:  # aborted while queued
+                    self.engine.abort(sid)
         elif kind == "abort":
             self._in_engine.discard(cmd[1])
             try:

@@ -5,6 +5,7 @@
     pipe = pipeline("path/to/model", scheduler="splitfuse")
     responses = pipe(["DeepSpeed is", "Seattle is"], max_new_tokens=64)
     print(responses[0])                     # the generated text
+    pipe.chat([{"role": "user", "content": "Hi"}], max_new_tokens=32)  # chat template
     for delta in pipe.stream("Once upon a time", max_new_tokens=32):
         print(delta, end="")
     pipe.shutdown()
@@ -92,6 +93,11 @@ def make_sampling_params(
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
+    min_new_tokens: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    logit_bias: dict[int, float] | None = None,
+    truncate: bool = False,
 ) -> SamplingParams:
     """Build and validate :class:`SamplingParams` from generation keyword arguments."""
     from shardspeed.inference.fastgen.sampling_params import SamplingParams
@@ -111,13 +117,52 @@ def make_sampling_params(
         seed=seed,
         stop=stop_list,
         ignore_eos=ignore_eos,
+        min_tokens=min_new_tokens,
+        presence_penalty=float(presence_penalty),
+        frequency_penalty=float(frequency_penalty),
+        logit_bias=dict(logit_bias or {}),
+        truncate=truncate,
     )
     params.validate()
     return params
 
 
+def resolve_temperature(do_sample: bool | None, temperature: float | None) -> float:
+    """HF/MII ``do_sample`` + ``temperature`` as one temperature (0 = greedy).
+
+    ``do_sample=None`` samples exactly when a temperature > 0 is given;
+    ``do_sample=True`` samples at ``temperature`` (1.0 when not given);
+    ``do_sample=False`` is greedy and refuses a temperature > 0.
+    """
+    if do_sample is None:
+        return 0.0 if temperature is None else float(temperature)
+    if do_sample:
+        t = 1.0 if temperature is None else float(temperature)
+        if t <= 0.0:
+            raise ValueError(
+                f"do_sample=True with temperature={temperature!r} is contradictory; pass a "
+                "temperature > 0 or do_sample=False for greedy decoding."
+            )
+        return t
+    if temperature not in (None, 0, 0.0):
+        raise ValueError(
+            f"do_sample=False (greedy) with temperature={temperature!r} is contradictory; drop "
+            "temperature or pass do_sample=True."
+        )
+    return 0.0
+
+
 class Pipeline:
-    """Batch and streaming text generation on one :class:`InferenceEngine`."""
+    """Batch and streaming text generation on one :class:`InferenceEngine`.
+
+    Generation keywords (``__call__``, ``stream``, ``chat``): ``max_new_tokens``
+    (default 128) or MII's ``max_length`` (prompt + new tokens), ``min_new_tokens``,
+    ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``, ``repetition_penalty``,
+    ``presence_penalty`` / ``frequency_penalty``, ``logit_bias``, ``seed``, ``stop``,
+    ``ignore_eos``, ``return_full_text`` (prompt + generated text), and ``truncate``:
+    a prompt + ``max_new_tokens`` beyond the engine's ``max_seq_len`` raises
+    ``ValueError`` unless ``truncate=True``, which stops generation at the context.
+    """
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
@@ -130,8 +175,8 @@ class Pipeline:
     def __call__(
         self,
         prompts: str | Sequence[Prompt],
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
         repetition_penalty: float = 1.0,
@@ -139,34 +184,84 @@ class Pipeline:
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         params: SamplingParams | None = None,
+        *,
+        do_sample: bool | None = None,
+        min_new_tokens: int = 0,
+        max_length: int | None = None,
+        return_full_text: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        truncate: bool = False,
     ) -> list[Response]:
         """Generate for one prompt or a list of prompts; returns one Response per prompt.
 
         Prompts are strings or token-id lists. ``params`` (a :class:`SamplingParams`)
-        overrides the individual generation keywords when given.
+        overrides the generation keywords when given.
         """
         prompt_list = self._prompt_list(prompts)
-        if params is None:
-            params = make_sampling_params(
-                max_new_tokens,
-                temperature,
-                top_k,
-                top_p,
-                repetition_penalty,
-                seed,
-                stop,
-                ignore_eos,
+        gen = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=resolve_temperature(do_sample, temperature),
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            min_new_tokens=min_new_tokens,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            truncate=truncate,
+        )
+        token_prompts = [self._encode(p) for p in prompt_list]
+        per_prompt = [self._params(len(t), max_length, params, gen) for t in token_prompts]
+        outputs = self.engine.generate(token_prompts, per_prompt)
+        responses = [Response.from_output(p, o) for p, o in zip(prompt_list, outputs, strict=True)]
+        if return_full_text:
+            for r, p in zip(responses, prompt_list, strict=True):
+                r.generated_text = self._prompt_text(p) + r.generated_text
+        return responses
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        chat_template: str | None = None,
+        **generation: Any,
+    ) -> list[Response]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of
+        them, rendered with the tokenizer's chat template (``chat_template`` overrides
+        it); ``generation`` are the keywords of ``__call__``. One Response per conversation.
+        """
+        from shardspeed.inference.serving.chat import has_chat_template, render_chat_prompt
+
+        if not has_chat_template(self.tokenizer, chat_template):
+            raise ValueError(
+                "Pipeline.chat needs a tokenizer with a chat template, but "
+                f"{type(self.tokenizer).__name__} has none; pass chat_template='...' (a Jinja "
+                "template) or use a model whose tokenizer_config.json defines one."
             )
-        else:
-            params.validate()
-        outputs = self.engine.generate(prompt_list, params)
-        return [Response.from_output(p, o) for p, o in zip(prompt_list, outputs, strict=True)]
+        if not messages:
+            raise ValueError("Pipeline.chat messages is empty; pass at least one message.")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for conv in conversations:
+            if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError(
+                    "Pipeline.chat messages must be a list of {'role': ..., 'content': ...} "
+                    "dicts, or a list of such lists."
+                )
+        prompts = [
+            render_chat_prompt([dict(m) for m in conv], self.tokenizer, chat_template)
+            for conv in conversations
+        ]
+        return self(prompts, **generation)  # type: ignore[arg-type]
 
     def stream(
         self,
         prompt: Prompt,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
         repetition_penalty: float = 1.0,
@@ -174,27 +269,39 @@ class Pipeline:
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
         params: SamplingParams | None = None,
+        *,
+        do_sample: bool | None = None,
+        min_new_tokens: int = 0,
+        max_length: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        truncate: bool = False,
     ) -> Iterator[str]:
         """Yield the generated text of one prompt piece by piece as the engine steps.
 
         The pieces joined equal the text the non-streaming call returns. Closing the
         generator early aborts the request.
         """
-        if params is None:
-            params = make_sampling_params(
-                max_new_tokens,
-                temperature,
-                top_k,
-                top_p,
-                repetition_penalty,
-                seed,
-                stop,
-                ignore_eos,
-            )
-        else:
-            params.validate()
         self._prompt_list([prompt])
-        request_id = self.engine.add_request(prompt, params)
+        gen = dict(
+            max_new_tokens=max_new_tokens,
+            temperature=resolve_temperature(do_sample, temperature),
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            min_new_tokens=min_new_tokens,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            logit_bias=logit_bias,
+            truncate=truncate,
+        )
+        token_ids = self._encode(prompt)
+        params = self._params(len(token_ids), max_length, params, gen)
+        request_id = self.engine.add_request(token_ids, params)
         deltas = TextDeltaStream(params.stop)
         finished = False
         try:
@@ -212,6 +319,66 @@ class Pipeline:
         finally:
             if not finished:
                 self.engine.abort(request_id)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        return self.engine.encode(prompt)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        from shardspeed.inference.fastgen.output_processor import decode
+
+        return decode(self.tokenizer, prompt) if self.tokenizer is not None else ""
+
+    def _params(
+        self,
+        num_prompt: int,
+        max_length: int | None,
+        params: SamplingParams | None,
+        gen: dict[str, Any],
+    ) -> SamplingParams:
+        """Validated params of one prompt; applies ``max_length`` and the context check."""
+        if params is not None:  # replaces the keywords (max_length included)
+            params.validate()
+            if params.num_samples > 1:
+                raise ValueError(
+                    f"Pipeline returns one Response per prompt, but params has n={params.n}, "
+                    f"best_of={params.best_of}; use InferenceEngine.generate or the server's "
+                    "n / best_of for several samples."
+                )
+            gen = {"max_new_tokens": params.max_new_tokens, "truncate": params.truncate}
+            self._check_context(num_prompt, gen)
+            return params
+        gen = dict(gen)
+        if max_length is not None:
+            if gen["max_new_tokens"] is not None:
+                raise ValueError(
+                    f"Pipeline got max_length={max_length} and max_new_tokens="
+                    f"{gen['max_new_tokens']}; pass only one (max_length counts the prompt)."
+                )
+            if not isinstance(max_length, int) or max_length <= num_prompt:
+                raise ValueError(
+                    f"max_length={max_length!r} leaves no room after the {num_prompt}-token "
+                    f"prompt; pass max_length > {num_prompt} (it counts prompt + new tokens)."
+                )
+            gen["max_new_tokens"] = max_length - num_prompt
+        elif gen["max_new_tokens"] is None:
+            gen["max_new_tokens"] = 128
+        self._check_context(num_prompt, gen)
+        return make_sampling_params(**gen)
+
+    def _check_context(self, num_prompt: int, gen: dict[str, Any]) -> None:
+        limit = self.engine.max_seq_len
+        total = num_prompt + gen["max_new_tokens"]
+        if total > limit and not gen["truncate"]:
+            raise ValueError(
+                f"prompt ({num_prompt} tokens) + max_new_tokens ({gen['max_new_tokens']}) = "
+                f"{total} exceeds the engine's max_seq_len of {limit} tokens; shorten the "
+                "prompt, lower max_new_tokens / max_length, or pass truncate=True to stop at "
+                "the context length."
+            )
 
     def shutdown(self) -> None:
         """Abort unfinished requests and drop the engine (the pipeline is unusable after)."""
@@ -247,15 +414,23 @@ class Pipeline:
         return prompt_list
 
 
-def pipeline(model_or_path: Any, tokenizer: Any = None, **engine_config: Any) -> Pipeline:
+def pipeline(
+    model_or_path: Any, tokenizer: Any = None, quantization: Any = None, **engine_config: Any
+) -> Pipeline:
     """Load a model into an :class:`InferenceEngine` and wrap it in a :class:`Pipeline`.
 
     ``model_or_path`` is anything ``InferenceEngine.from_pretrained`` accepts (a model
     directory, a transformers model, a ShardSpeed GPT) or an already-built engine.
+    ``quantization`` (``"int8"``, ``"int4"``, ``"int4-g64-asym"``, a dict of fields or a
+    :class:`~shardspeed.inference.quantization.WeightQuantConfig`) quantizes the model's
+    linear layers to int8/int4 weights after load (docs/quantization.md).
     ``engine_config`` are :class:`EngineConfig` fields (``block_size``, ``scheduler``,
     ``max_ragged_batch_size``, ...).
     """
     from shardspeed.inference.fastgen.engine import InferenceEngine
+
+    if quantization is not None:
+        engine_config["quantization"] = quantization
 
     if isinstance(model_or_path, InferenceEngine):
         if tokenizer is not None or engine_config:

@@ -1,10 +1,11 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2 models).
 
 Only the fields the server honours are typed strictly. Known OpenAI fields the engine
-cannot honour (``n > 1``, ``echo``, ``logprobs``, penalties other than 0) are accepted
-at their neutral values and rejected with a 400 otherwise; unknown fields are ignored
-so that clients sending newer fields keep working. ``null`` means "the default" for
-every optional field, as in the OpenAI API.
+cannot honour (``suffix``, ``tools``) are accepted at their neutral values and rejected
+with a 400 otherwise, as are combinations it does not stream (``logprobs``, ``echo`` or
+``best_of > n`` with ``stream``); unknown fields are ignored so that clients sending
+newer fields keep working. ``null`` means "the default" for every optional field, as
+in the OpenAI API.
 
 Sampling values are checked against safe ranges here, at the API boundary, with a
 message naming the field, the allowed range and the value received (the sampler
@@ -15,6 +16,11 @@ temperature          [0, 2] (below 1e-5 means greedy)
 top_p                (0, 1]
 top_k                [-1, 2**31 - 1] (0 and -1 switch it off)
 repetition_penalty   [0.01, 10] (1 switches it off)
+presence_penalty     [-2, 2]; frequency_penalty [-2, 2]
+n, best_of           [1, 16], best_of >= n
+logprobs             completions: [0, 20]; chat: bool with top_logprobs in [0, 20]
+logit_bias           token id (string key) -> [-100, 100]
+min_tokens           >= 0
 seed                 [-2**63, 2**64 - 1] (what torch.Generator takes)
 stop                 up to 4 non-empty strings of at most 1024 characters
 ==================== ===================================================
@@ -34,6 +40,8 @@ TOP_K_MAX = 2**31 - 1
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 1024
+MAX_SAMPLES = 16
+MAX_LOGPROBS = 20
 
 
 def _check_range(value: float, low: float, high: float, low_open: bool = False) -> float:
@@ -87,6 +95,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
 
     @field_validator("temperature")
@@ -121,21 +131,27 @@ class _SamplingFields(_Request):
     @field_validator("n")
     @classmethod
     def _check_n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(
-                f"n={v} is not supported: this server returns one choice per prompt; send n=1"
-            )
+        if not 1 <= v <= MAX_SAMPLES:
+            raise ValueError(f"n={v} is not supported: send 1 <= n <= {MAX_SAMPLES}")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _check_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError(
-                f"{v} is not supported: this server allows only 0 (OpenAI's range is [-2, 2]); "
-                "use the repetition_penalty extension instead"
-            )
+        return _check_range(v, -2.0, 2.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f'keys must be token ids as strings (e.g. "50256"), got {key!r}')
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias[{key!r}]={bias} must be in [-100, 100]")
         return v
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): float(b) for k, b in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -158,22 +174,29 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
     suffix: str | None = None
 
-    @field_validator("echo", "logprobs", "best_of", "suffix")
+    @field_validator("suffix")
     @classmethod
     def _check_unsupported(cls, v: Any, info: Any) -> Any:
-        neutral = {
-            "echo": (False,),
-            "logprobs": (None,),
-            "best_of": (None, 1),
-            "suffix": (None, ""),
-        }
-        if v not in neutral[info.field_name]:
+        if v not in (None, ""):
             raise ValueError(f"{info.field_name}={v!r} is not supported by this server; omit it")
         return v
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of={self.best_of} must be >= n={self.n}")
+        if self.stream and (self.logprobs is not None or self.echo):
+            raise ValueError(
+                "logprobs and echo are not supported with stream=true on this server; "
+                "send stream=false"
+            )
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot be streamed (as in vLLM); send stream=false")
+        return self
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompt(s) as a list of strings or token-id lists."""
@@ -209,15 +232,26 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
 
-    @field_validator("logprobs", "tools")
+    @field_validator("tools")
     @classmethod
     def _check_unsupported(cls, v: Any, info: Any) -> Any:
         if v:
             raise ValueError(f"{info.field_name} is not supported by this server; omit it")
         return v
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.stream and self.logprobs:
+            raise ValueError(
+                "logprobs is not supported with stream=true on this server; send stream=false"
+            )
+        return self
 
 
 # ---- responses ------------------------------------------------------------------------
@@ -238,10 +272,19 @@ class Usage(BaseModel):
         self.total_tokens = self.prompt_tokens + self.completion_tokens
 
 
+class CompletionLogprobs(BaseModel):
+    """Legacy completions ``logprobs``: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -259,10 +302,24 @@ class ResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

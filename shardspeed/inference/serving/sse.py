@@ -47,8 +47,12 @@ async def event_stream(
     stop: list[str],
     include_usage: bool,
     chat: bool,
+    num_samples: int = 1,
 ) -> AsyncIterator[str]:
-    """Server-sent events of one (chat) completion: chunks, optional usage, ``[DONE]``."""
+    """Server-sent events of one (chat) completion: chunks, optional usage, ``[DONE]``.
+
+    ``streams`` holds ``num_samples`` consecutive sample streams per prompt (choice
+    index = stream index); usage counts each prompt once."""
     deltas = [TextDeltaStream(stop) for _ in streams]
     usage = Usage()
     try:
@@ -76,7 +80,8 @@ async def event_stream(
                 )
             yield sse(dump(chunk))
             if out.finished:
-                usage.add(len(out.prompt_token_ids), len(out.output_token_ids))
+                num_prompt = len(out.prompt_token_ids) if i % num_samples == 0 else 0
+                usage.add(num_prompt, len(out.output_token_ids))
         if include_usage:
             cls = ChatCompletionChunk if chat else CompletionResponse
             yield sse(dump(cls(id=rid, model=model, choices=[], usage=usage)))

@@ -56,7 +56,7 @@ def test_kv_cache_sizing_arithmetic_and_slots(caplog):
     dev = torch.device("cpu")
     assert resolve_num_blocks(spec, dev, None, 10 * spec.bytes_per_block + 1, 0) == 10
     assert resolve_num_blocks(spec, dev, 7, None, 0) == 7
-    assert resolve_num_blocks(spec, dev, None, None, default_tokens=9) == 3
+    assert resolve_num_blocks(spec, dev, None, None, max_useful_tokens=9) == 3  # capped
     with pytest.raises(ValueError, match="kv_cache_memory=1.5"):
         resolve_num_blocks(spec, dev, None, 1.5, 0)
     with pytest.raises(ValueError, match="smaller than one block"):

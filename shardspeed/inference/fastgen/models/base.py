@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from shardspeed.inference.fastgen.models.rope import RotaryEmbedding
 from shardspeed.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -37,7 +38,25 @@ class RaggedModel(nn.Module):
     vocab_size: int
     max_positions: int | None  # None => no hard limit (RoPE)
     learned_positions: bool = False  # True => max_positions is a hard limit
+    # Set when *every* layer attends only to the last ``kv_window`` tokens: KV blocks that
+    # end before ``num_computed_tokens - kv_window + 1`` are never read again; the
+    # scheduler frees them (``Scheduler._release_window``).
+    kv_window: int | None = None
     eos_token_ids: list[int]
+
+    @property
+    def rope_recompute_len(self) -> int | None:
+        """Sequence length at which keys cached for a shorter length must be recomputed
+        (longrope: ``original_max_position_embeddings + 1``, as HF's Phi-3 ``generate``
+        drops its cache there); None when cached keys never go stale."""
+        rotary = getattr(self, "rotary", None)
+        return rotary.recompute_len if isinstance(rotary, RotaryEmbedding) else None
+
+    def kv_rope_key(self, rope_base_len: int) -> bytes:
+        """What a sequence's cached keys depend on besides its tokens, given its
+        ``rope_base_len`` (length-dependent RoPE); keys the prefix-cache hash chain."""
+        rotary = getattr(self, "rotary", None)
+        return rotary.cache_key(rope_base_len) if isinstance(rotary, RotaryEmbedding) else b""
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> RaggedModel:

@@ -1,7 +1,10 @@
 """GPT-2 family (learned positions, pre-LayerNorm, fused QKV, tied LM head).
 
 HF GPT-2 stores its projections as ``Conv1D`` with weights ``[in, out]``; they
-are transposed on load. :mod:`shardspeed_gpt` reuses :class:`GPTModel` with our
+are transposed on load. ``scale_attn_weights`` and ``scale_attn_by_inverse_layer_idx``
+set the score scale per layer. ``reorder_and_upcast_attn`` only changes the
+precision of HF's scores (fp32), not the math: identical for fp32 weights; in
+half precision the engine's scores keep the attention backend's precision. :mod:`shardspeed_gpt` reuses :class:`GPTModel` with our
 own GPT's names and ``nn.Linear`` layout.
 """
 
@@ -16,6 +19,7 @@ import torch.nn as nn
 
 from shardspeed.inference.fastgen.attention import paged_attention
 from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
+from shardspeed.inference.fastgen.models.config_check import Refusal, falsy, validate_config
 from shardspeed.inference.fastgen.models.layers import activation
 from shardspeed.inference.fastgen.models.registry import register_model
 
@@ -37,19 +41,25 @@ class GPTShape:
     activation: str
     eos_token_ids: list[int]
     tied: bool = True
+    scale_attn_weights: bool = True  # False => raw q.k scores
+    scale_attn_by_inverse_layer_idx: bool = False  # scores / (layer_idx + 1)
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, s: GPTShape):
+    def __init__(self, s: GPTShape, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.head_dim = s.num_heads, s.hidden // s.num_heads
+        scale = self.head_dim**-0.5 if s.scale_attn_weights else 1.0
+        if s.scale_attn_by_inverse_layer_idx:
+            scale /= float(layer_idx + 1)
+        self.scale = scale
         self.ln_1 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
         self.c_attn = nn.Linear(s.hidden, 3 * s.hidden, bias=s.bias)
         self.attn_proj = nn.Linear(s.hidden, s.hidden, bias=s.bias)
         self.ln_2 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
         self.c_fc = nn.Linear(s.hidden, s.inner, bias=s.bias)
         self.mlp_proj = nn.Linear(s.inner, s.hidden, bias=s.bias)
-        self.act = activation(s.activation)
+        self.act = activation(s.activation, "activation_function")
 
     def forward(
         self, x: torch.Tensor, batch: RaggedBatch, kv_cache: KVCache, layer: int
@@ -65,6 +75,7 @@ class GPTBlock(nn.Module):
             layer,
             batch.slot_mapping,
             batch.attn,
+            scale=self.scale,
         )  # [N, H, D]
         x = x + self.attn_proj(o.reshape(n, c))
         return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
@@ -88,7 +99,7 @@ class GPTModel(RaggedModel):
         self.eos_token_ids = list(s.eos_token_ids)
         self.wte = nn.Embedding(s.vocab_size, s.hidden)
         self.wpe = nn.Embedding(s.max_positions, s.hidden)
-        self.h = nn.ModuleList([GPTBlock(s) for _ in range(s.num_layers)])
+        self.h = nn.ModuleList([GPTBlock(s, i) for i in range(s.num_layers)])
         self.ln_f = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
         self.tied = s.tied
         self.lm_head = nn.Linear(s.hidden, s.vocab_size, bias=False)
@@ -98,15 +109,20 @@ class GPTModel(RaggedModel):
         if self.tied:
             self.lm_head.weight = self.wte.weight
 
+    CONFIG_KEYS = (
+        "vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
+        "layer_norm_epsilon", "activation_function", "eos_token_id", "tie_word_embeddings",
+        "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+    )  # fmt: skip
+
+    @classmethod
+    def config_fields(cls, model_type: str) -> tuple[tuple[str, ...], list[Refusal]]:
+        """(keys the forward honours, refusal rules) for :func:`validate_config`."""
+        return cls.CONFIG_KEYS, [falsy("add_cross_attention", "cross-attention")]
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GPTModel:
-        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-            if config.get(key):
-                raise ValueError(f"gpt2 config {key}=True is not supported by the FastGen engine.")
-        if config.get("scale_attn_weights") is False:
-            raise ValueError(
-                "gpt2 config scale_attn_weights=False is not supported by the FastGen engine."
-            )
+        validate_config("gpt2", config, *cls.config_fields("gpt2"))
         hidden = config["n_embd"]
         eos = config.get("eos_token_id")
         shape = GPTShape(
@@ -121,6 +137,8 @@ class GPTModel(RaggedModel):
             activation=config.get("activation_function", "gelu_new"),
             eos_token_ids=[] if eos is None else [int(eos)],
             tied=bool(config.get("tie_word_embeddings", True)),
+            scale_attn_weights=bool(config.get("scale_attn_weights", True)),
+            scale_attn_by_inverse_layer_idx=bool(config.get("scale_attn_by_inverse_layer_idx")),
         )
         return cls(shape)
 

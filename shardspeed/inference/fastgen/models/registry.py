@@ -10,7 +10,10 @@ if TYPE_CHECKING:
     from shardspeed.inference.fastgen.models.base import RaggedModel
 
 _REGISTRY: dict[str, type[RaggedModel]] = {}
-_BUILTIN_FAMILIES = ("llama", "gpt2", "shardspeed_gpt")
+_BUILTIN_FAMILIES = (
+    "llama", "qwen3", "phi3", "gemma", "gemma2", "mixtral", "neox", "opt", "falcon", "gpt2",
+    "shardspeed_gpt",
+)  # fmt: skip
 
 
 def register_model(*model_types: str) -> Callable[[type[RaggedModel]], type[RaggedModel]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardspeed.inference.fastgen.models.config_check import Refusal, validate_config
 from shardspeed.inference.fastgen.models.gpt2 import GPTModel, GPTShape
 from shardspeed.inference.fastgen.models.registry import register_model
 
@@ -15,7 +16,12 @@ class ShardSpeedGPTModel(GPTModel):
     conv1d_weights = False
 
     @classmethod
+    def config_fields(cls, model_type: str) -> tuple[tuple[str, ...], list[Refusal]]:
+        return ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias"), []
+
+    @classmethod
     def from_config(cls, config: dict[str, Any]) -> ShardSpeedGPTModel:
+        validate_config("shardspeed_gpt", config, *cls.config_fields("shardspeed_gpt"))
         hidden = config["n_embd"]
         shape = GPTShape(
             vocab_size=config["vocab_size"],

@@ -1,0 +1,151 @@
+"""OPT: learned positions (offset by 2), LayerNorm, pre- or post-norm blocks.
+
+``do_layer_norm_before=False`` (OPT-350m) gives post-norm blocks and no final
+norm; ``word_embed_proj_dim != hidden_size`` adds the ``project_in`` /
+``project_out`` matrices around the decoder. Queries are scaled before the
+score matmul, as in HF.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from shardspeed.inference.fastgen.attention import paged_attention
+from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
+from shardspeed.inference.fastgen.models.config_check import Refusal, validate_config
+from shardspeed.inference.fastgen.models.decoder import eos_list
+from shardspeed.inference.fastgen.models.layers import activation
+from shardspeed.inference.fastgen.models.registry import register_model
+
+if TYPE_CHECKING:
+    from shardspeed.inference.fastgen.kv_cache import KVCache
+    from shardspeed.inference.fastgen.ragged import RaggedBatch
+
+_KEYS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "ffn_dim", "max_position_embeddings",
+    "do_layer_norm_before", "_remove_final_layer_norm", "word_embed_proj_dim",
+    "num_attention_heads", "activation_function", "enable_bias", "layer_norm_elementwise_affine",
+    "tie_word_embeddings", "eos_token_id",
+)  # fmt: skip
+_POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
+
+
+class OPTLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.head_dim = hidden // self.num_heads
+        self.scaling = self.head_dim**-0.5
+        bias = bool(cfg.get("enable_bias", True))
+        affine = bool(cfg.get("layer_norm_elementwise_affine", True))
+        self.pre_norm = bool(cfg.get("do_layer_norm_before", True))
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.fc1 = nn.Linear(hidden, cfg["ffn_dim"], bias=bias)
+        self.fc2 = nn.Linear(cfg["ffn_dim"], hidden, bias=bias)
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.act = activation(cfg.get("activation_function", "relu"), "activation_function")
+
+    def forward(
+        self, x: torch.Tensor, batch: RaggedBatch, kv_cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        n = x.shape[0]  # x: [N, hidden]
+        h = self.self_attn_layer_norm(x) if self.pre_norm else x
+        shape = (n, self.num_heads, self.head_dim)
+        q = (self.q_proj(h) * self.scaling).view(shape)  # [N, H, D]
+        k, v = self.k_proj(h).view(shape), self.v_proj(h).view(shape)  # [N, H, D]
+        o = paged_attention(q, k, v, kv_cache, layer, batch.slot_mapping, batch.attn, scale=1.0)
+        x = x + self.out_proj(o.reshape(n, -1))
+        if not self.pre_norm:
+            x = self.self_attn_layer_norm(x)
+        h = self.final_layer_norm(x) if self.pre_norm else x
+        x = x + self.fc2(self.act(self.fc1(h)))
+        return x if self.pre_norm else self.final_layer_norm(x)
+
+
+@register_model("opt")
+class OPTModel(RaggedModel):
+    """OPT decoder (HF ``OPTForCausalLM`` weights)."""
+
+    learned_positions = True
+
+    def __init__(self, cfg: dict[str, Any]):
+        super().__init__()
+        self.model_type = "opt"
+        hidden = cfg["hidden_size"]
+        proj = cfg.get("word_embed_proj_dim") or hidden
+        self.num_layers = cfg["num_hidden_layers"]
+        self.num_heads = self.num_kv_heads = cfg["num_attention_heads"]
+        self.head_dim = hidden // self.num_heads
+        self.vocab_size = cfg["vocab_size"]
+        self.max_positions = cfg["max_position_embeddings"]
+        self.eos_token_ids = eos_list(cfg.get("eos_token_id"))
+        self.embed_tokens = nn.Embedding(self.vocab_size, proj)
+        self.embed_positions = nn.Embedding(self.max_positions + _POSITION_OFFSET, hidden)
+        self.project_in = nn.Linear(proj, hidden, bias=False) if proj != hidden else None
+        self.project_out = nn.Linear(hidden, proj, bias=False) if proj != hidden else None
+        self.layers = nn.ModuleList([OPTLayer(cfg) for _ in range(self.num_layers)])
+        final = cfg.get("do_layer_norm_before", True) and not cfg.get("_remove_final_layer_norm")
+        affine = bool(cfg.get("layer_norm_elementwise_affine", True))
+        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if final else None
+        self.tied = bool(cfg.get("tie_word_embeddings", True))
+        self.lm_head = nn.Linear(proj, self.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def config_fields(cls, model_type: str) -> tuple[tuple[str, ...], list[Refusal]]:
+        return _KEYS, []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> OPTModel:
+        validate_config("opt", config, *cls.config_fields("opt"))
+        return cls(config)
+
+    def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)  # [N, proj]
+        if self.project_in is not None:
+            x = self.project_in(x)  # [N, hidden]
+        x = x + self.embed_positions(batch.positions + _POSITION_OFFSET)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, kv_cache, i)
+        x = x[batch.logits_indices]  # [M, hidden]
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # [M, proj]
+        return self.lm_head(x)  # [M, vocab]
+
+    _LAYER_RE = re.compile(r"^layers\.(\d+)\.(?:self_attn\.)?(\w+)\.(weight|bias)$")
+
+    def map_weight(self, name: str, tensor: torch.Tensor) -> list[WeightTarget] | None:
+        name = name.removeprefix("model.").removeprefix("decoder.")
+        if name == "lm_head.weight":
+            return [] if self.tied else [(name, tensor, None, False)]
+        top = (
+            "embed_tokens.",
+            "embed_positions.",
+            "project_in.",
+            "project_out.",
+            "final_layer_norm.",
+        )
+        if name.startswith(top):
+            return [(name, tensor, None, False)]
+        m = self._LAYER_RE.match(name)
+        if m is None:
+            return None
+        idx, module, kind = m.groups()
+        if not hasattr(self.layers[int(idx)], module):
+            return None
+        return [(f"layers.{idx}.{module}.{kind}", tensor, None, False)]

@@ -1,0 +1,167 @@
+"""``QuantizedLinear``: a drop-in for ``nn.Linear`` / GPT-2 ``Conv1D`` with int weights."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from shardspeed.inference.quantization.config import WeightQuantConfig
+from shardspeed.inference.quantization.kernels import (
+    REFERENCE,
+    QuantKernel,
+    QuantMeta,
+    select_kernel,
+)
+from shardspeed.inference.quantization.qtensor import (
+    QuantizedWeight,
+    dequantize_weight,
+    quantize_weight,
+)
+
+logger = logging.getLogger(__name__)
+
+# (kernel name, device type, compute dtype) -> the kernel agreed with the reference
+_VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}
+_CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference| on a random input
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` stored as int8 / int4 plus scales (and zero points).
+
+    Weights are quantized once at construction; ``forward`` runs the chosen kernel
+    (torch's weight-only op, or dequantize + ``F.linear`` for the reference path) in
+    ``compute_dtype`` and returns the input's dtype. The quantized tensors are
+    buffers (they follow ``.to(device)`` and appear in ``state_dict``); the bias stays
+    a frozen parameter in its original dtype.
+    """
+
+    def __init__(
+        self,
+        qweight: QuantizedWeight,
+        bias: torch.Tensor | None,
+        kernel: QuantKernel,
+        compute_dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.meta = QuantMeta(qweight)
+        self.kernel = kernel
+        self.compute_dtype = compute_dtype
+        pack_dtype = compute_dtype or qweight.scales.dtype
+        self._buffer_names = []
+        for name, tensor in kernel.pack(qweight, pack_dtype).items():
+            self.register_buffer(name, tensor)
+            self._buffer_names.append(name)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, config: WeightQuantConfig
+    ) -> QuantizedLinear:
+        """Quantize an ``(out, in)`` weight per ``config`` and pick its kernel."""
+        qw = quantize_weight(weight, config.bits, config.effective_group_size, config.symmetric)
+        # the torch kernels run in bf16 unless told otherwise: their fast dtype on CPU and
+        # the only one of CUDA int4; the reference path computes in the input's dtype
+        kernel_dtype = config.resolved_compute_dtype() or torch.bfloat16
+        kernel = select_kernel(qw, weight.device, kernel_dtype, config.kernel)
+        compute_dtype = config.resolved_compute_dtype()
+        if kernel is not REFERENCE:
+            compute_dtype = kernel_dtype
+        if kernel is not REFERENCE and not _kernel_agrees(qw, kernel, weight.device, compute_dtype):
+            if config.kernel == "torch":
+                raise RuntimeError(
+                    f"torch kernel {kernel.name} disagrees with the reference path on "
+                    f"{weight.device} ({compute_dtype}); use WeightQuantConfig(kernel='auto')."
+                )
+            kernel, compute_dtype = REFERENCE, config.resolved_compute_dtype()
+        return cls(qw, bias, kernel, compute_dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: WeightQuantConfig) -> QuantizedLinear:
+        """Quantize an ``nn.Linear`` (weight ``(out, in)``)."""
+        return cls.from_weight(linear.weight, linear.bias, config)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, config: WeightQuantConfig) -> QuantizedLinear:
+        """Quantize a ``transformers`` ``Conv1D`` (GPT-2), whose weight is ``(in, out)``."""
+        return cls.from_weight(conv.weight.t(), conv.bias, config)
+
+    # ------------------------------------------------------------------ compute
+
+    def _quant_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self._buffer_names}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)  # (M, K), M = prod(lead)
+        compute_dtype = self.compute_dtype or x.dtype
+        y = self.kernel.matmul(x2d.to(compute_dtype), self._quant_buffers(), self.meta)  # (M, N)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*lead, self.out_features)  # (..., N)
+
+    # ------------------------------------------------------------------ inspection
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the quantized weight: packed ints + scales + zero points (no bias)."""
+        return sum(t.numel() * t.element_size() for t in self._quant_buffers().values())
+
+    @torch.no_grad()
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``(out, in)`` weight this layer multiplies by (any kernel layout).
+
+        Runs the kernel on an identity matrix, so it reflects exactly what
+        ``forward`` computes (up to the compute dtype).
+        """
+        if self.kernel is REFERENCE:
+            return REFERENCE.dequantize(self._quant_buffers(), self.meta, dtype)
+        device = self.qweight.device
+        eye = torch.eye(self.in_features, device=device, dtype=self.compute_dtype)  # (K, K)
+        return self.kernel.matmul(eye, self._quant_buffers(), self.meta).t().to(dtype)  # (N, K)
+
+    def extra_repr(self) -> str:
+        scheme = f"int{self.meta.bits}"
+        group = (
+            "per-channel"
+            if self.meta.group_size == self.in_features
+            else f"group_size={self.meta.group_size}"
+        )
+        sym = "symmetric" if self.meta.symmetric else "asymmetric"
+        cdt = str(self.compute_dtype).replace("torch.", "") if self.compute_dtype else "input"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {scheme}, "
+            f"{group}, {sym}, kernel={self.kernel.name}, compute_dtype={cdt}, "
+            f"bias={self.bias is not None}"
+        )
+
+
+def _kernel_agrees(
+    qw: QuantizedWeight, kernel: QuantKernel, device: torch.device, compute_dtype: torch.dtype
+) -> bool:
+    """Check a torch kernel against the reference once per (kernel, device, dtype).
+
+    Guards against layout conventions that differ between torch builds: a mismatch
+    falls back to the reference path with a warning instead of wrong outputs.
+    """
+    key = (kernel.name, device.type, compute_dtype)
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(3, qw.shape[1], generator=gen).to(device=device, dtype=compute_dtype)
+    reference = torch.nn.functional.linear(x.float(), dequantize_weight(qw).to(device))
+    got = kernel.matmul(x, kernel.pack(qw, compute_dtype), QuantMeta(qw)).float()
+    err = ((got - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
+    ok = err <= _CHECK_TOLERANCE
+    if not ok:
+        logger.warning(
+            "weight-only kernel %s on %s (%s) differs from the reference by %.3g (relative); "
+            "using the dequantize reference path instead",
+            kernel.name, device.type, compute_dtype, err,
+        )  # fmt: skip
+    _VERIFIED[key] = ok
+    return ok

@@ -1,0 +1,129 @@
+"""Quantize a weight matrix and dequantize it back: the pure math, no kernels.
+
+A linear weight ``W`` of shape ``(N, K)`` (out_features, in_features) is cut along ``K``
+into groups of ``group_size`` columns (``group_size == K``: one group per output channel).
+Every group ``g`` of row ``n`` has a scale ``s[n, g]`` and, when asymmetric, a zero point
+``z[n, g]``; the stored integers ``q`` reconstruct the weight as::
+
+    W[n, k] ~= (q[n, k] - z[n, k // group_size]) * s[n, k // group_size]
+
+Integer ranges (``z`` is 0 / 8 for symmetric int8 / int4)::
+
+    int8 symmetric   q in [-127, 127]  s = absmax / 127
+    int8 asymmetric  q in [-128, 127]  s = (max - min) / 255, z = round(-128 - min / s)
+    int4 symmetric   q in [0, 15]      s = absmax / 7 (q - 8 in [-8, 7])
+    int4 asymmetric  q in [0, 15]      s = (max - min) / 15, z = round(-min / s)
+
+int4 values are stored two per byte: ``packed[n, j] = q[n, 2j] | q[n, 2j + 1] << 4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_EPS = 1e-12  # floor of a scale: an all-zero group must not divide by zero
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """The canonical (kernel-independent) form of one quantized weight matrix.
+
+    Attributes:
+        qdata: int8 ``(N, K)`` for 8 bits; uint8 ``(N, K // 2)`` nibble pairs for 4 bits.
+        scales: float32 ``(N, K // group_size)``.
+        zeros: float32 ``(N, K // group_size)`` integer-valued zero points, or None
+            (symmetric: the implicit zero point is 0 for int8 and 8 for int4).
+        bits: 8 or 4.
+        group_size: columns per scale (``K`` for per-output-channel).
+        shape: ``(N, K)`` of the original weight.
+    """
+
+    qdata: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int
+    shape: tuple[int, int]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zeros is None
+
+    def zero_points(self) -> torch.Tensor:
+        """``(N, G)`` float32 zero points, including the implicit symmetric ones."""
+        if self.zeros is not None:
+            return self.zeros
+        implicit = 8.0 if self.bits == 4 else 0.0
+        return torch.full_like(self.scales, implicit)
+
+    def int_values(self) -> torch.Tensor:
+        """The stored integers as int32 ``(N, K)`` (int4 unpacked to 0..15)."""
+        if self.bits == 8:
+            return self.qdata.to(torch.int32)
+        return unpack_int4(self.qdata)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``(N, K)`` integers in [0, 15] -> ``(N, K // 2)`` uint8, even column in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)  # (N, K // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``(N, K // 2)`` uint8 -> ``(N, K)`` int32 in [0, 15]."""
+    low = (packed & 0x0F).to(torch.int32)
+    high = (packed >> 4).to(torch.int32)
+    return torch.stack([low, high], dim=-1).flatten(-2)  # (N, K // 2, 2) -> (N, K)
+
+
+def quantize_weight(
+    weight: torch.Tensor, bits: int, group_size: int | None, symmetric: bool
+) -> QuantizedWeight:
+    """Quantize an ``(N, K)`` fp32/fp16/bf16 weight (math in fp32).
+
+    ``group_size`` None means one group per output channel (``group_size = K``).
+    """
+    if weight.dim() != 2:
+        raise ValueError(
+            f"quantize_weight expects a 2-D (out, in) weight, got {tuple(weight.shape)}"
+        )
+    if bits not in (4, 8):
+        raise ValueError(f"bits={bits!r} is not supported; use 8 or 4.")
+    n, k = weight.shape
+    gs = k if group_size is None else group_size
+    if k % gs != 0:
+        raise ValueError(
+            f"in_features={k} is not a multiple of group_size={gs}; pick a group size that "
+            "divides the layer's input size or skip this layer."
+        )
+    if bits == 4 and k % 2 != 0:
+        raise ValueError(f"int4 needs an even in_features (two values per byte), got {k}.")
+    w = weight.detach().float().reshape(n, k // gs, gs)  # (N, G, gs)
+    if symmetric:
+        qmax = 127.0 if bits == 8 else 7.0
+        scales = (w.abs().amax(-1) / qmax).clamp_min(_EPS)  # (N, G)
+        q = torch.round(w / scales[..., None]).clamp(-qmax - (bits == 4), qmax)
+        if bits == 4:
+            q = q + 8.0  # stored unsigned: [-8, 7] -> [0, 15]
+        zeros = None
+    else:
+        levels = 255.0 if bits == 8 else 15.0
+        qmin = -128.0 if bits == 8 else 0.0
+        lo = w.amin(-1).clamp_max(0.0)  # the range always includes 0: exact zeros stay exact
+        hi = w.amax(-1).clamp_min(0.0)
+        scales = ((hi - lo) / levels).clamp_min(_EPS)  # (N, G)
+        zeros = torch.round(qmin - lo / scales).clamp(qmin, qmin + levels)  # (N, G)
+        q = (torch.round(w / scales[..., None]) + zeros[..., None]).clamp(qmin, qmin + levels)
+    q = q.reshape(n, k)  # (N, K)
+    qdata = q.to(torch.int8) if bits == 8 else pack_int4(q.to(torch.int32))
+    return QuantizedWeight(qdata, scales.contiguous(), zeros, bits, gs, (n, k))
+
+
+def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``(N, K)`` weight the quantized form represents, in ``dtype`` (math in fp32)."""
+    n, k = qw.shape
+    q = qw.int_values().float().reshape(n, k // qw.group_size, qw.group_size)  # (N, G, gs)
+    w = (q - qw.zero_points()[..., None]) * qw.scales[..., None]  # (N, G, gs)
+    return w.reshape(n, k).to(dtype)  # (N, K)
