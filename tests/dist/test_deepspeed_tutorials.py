@@ -5,8 +5,9 @@ synthetic data for a few steps: CIFAR-10 without and with MoE (ep 2, two MoE lay
 MoE param groups, ZeRO 2), the pipeline AlexNet (2 stages, and ``train_base`` without a
 pipeline) and BERT MLM (ZeRO 2, WarmupDecayLR, save_checkpoint then resume). With
 ``.venv-peers`` the CIFAR-10 script also runs under DeepSpeed 0.19.8 itself, and the
-per-step losses must agree (same weights, same data order): within 1e-6 without MoE and
-with top-1 MoE.
+per-step losses must agree (same weights, same data order, same RNG draws - top-2 gating
+samples noise from the global generator): within 1e-6 without MoE and with top-1 and top-2
+MoE.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def test_bert_mlm_tutorial_saves_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="needs .venv-peers (make bench-peers)")
-@pytest.mark.parametrize("moe", [False, True], ids=["dense_z2", "moe_top1_z2"])
-def test_cifar10_tutorial_losses_match_deepspeed(moe: bool, tmp_path: Path) -> None:
-    args = ["--deepspeed", "--max-steps", "12", "--stage", "2", *(MOE_ARGS if moe else [])]
+@pytest.mark.parametrize("top_k", [0, 1, 2], ids=["dense_z2", "moe_top1_z2", "moe_top2_z2"])
+def test_cifar10_tutorial_losses_match_deepspeed(top_k: int, tmp_path: Path) -> None:
+    moe = [*MOE_ARGS[:7], str(top_k), *MOE_ARGS[8:]] if top_k else []
+    args = ["--deepspeed", "--max-steps", "12", "--stage", "2", *moe]
     _launch("cifar10_deepspeed.py", *args, "--dump-losses", "ours.json", cwd=tmp_path)
     _launch("cifar10_deepspeed.py", *args, "--dump-losses", "theirs.json", cwd=tmp_path,
             python=str(PEERS_PYTHON))  # fmt: skip
