@@ -30,12 +30,12 @@ MOE_ARGS = ["--moe", "--ep-world-size", "2", "--num-experts", "2", "4", "--top-k
 
 def _launch(script: str, *args: str, cwd: Path, python: str = sys.executable) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with socket.socket() as s:  # a free rendezvous port: other jobs may hold 29500
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     if python == sys.executable:
-        cmd = [python, "-m", "shardspeed.launcher.cli", "--nproc", "2"]
+        cmd = [python, "-m", "shardspeed.launcher.cli", "--nproc", "2", "--master_port", str(port)]
     else:  # DeepSpeed's side: plain torchrun
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
     cmd += [str(TUTORIALS / script), *args]
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

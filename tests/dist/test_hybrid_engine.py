@@ -119,12 +119,17 @@ def _no_generate() -> None:
 
 
 def test_ppo_example_runs_on_two_ranks() -> None:
+    import socket
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "examples" / "hybrid_ppo.py"
-    cmd = [sys.executable, str(script), "--iters", "2", "--new-tokens", "4", "--zero", "3"]
+    with socket.socket() as s:  # a free rendezvous port: other jobs may hold 29500
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "shardspeed.launcher.cli", "--nproc", "2", "--master_port",
+           str(port), str(script), "--iters", "2", "--new-tokens", "4", "--zero", "3"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "mean reward: first 5 iters" in done.stdout
