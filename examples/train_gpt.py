@@ -281,7 +281,10 @@ def generate_samples(out: Path, tokenizer) -> None:
     if pipeline is not None:
         pipe = pipeline(str(out))
         for i, prompt in enumerate(prompts):
-            (r,) = pipe([prompt], max_new_tokens=120, temperature=0.7, top_k=40, seed=i)
+            # up to 120 new tokens, stopping at the model's 128-token context (explicit opt-in)
+            (r,) = pipe(
+                [prompt], max_new_tokens=120, temperature=0.7, top_k=40, seed=i, truncate=True
+            )
             print(
                 f"--- {prompt!r} ({r.generated_length} tokens, {r.latency * 1e3:.0f} ms)\n{prompt}{r.generated_text}"
             )
