@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
+from tiny_models import tiny_llama, token_rows
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 SAMPLES, SEQ, VOCAB = 12, 16, 64
 BATCH, GAS, STEPS, SAVE_AT = 2, 2, 4, 2
@@ -34,27 +35,11 @@ LR, MAX_NORM = 3e-3, 0.5
 
 
 def build_model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(4321)
-    return LlamaForCausalLM(config)
+    return tiny_llama(4321, SEQ, VOCAB)
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(17)
-    rows = []
-    for _ in range(SAMPLES):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids.clone()})
-    return rows
+    return token_rows(17, SAMPLES, SEQ, VOCAB)
 
 
 def schedule(step: int) -> float:

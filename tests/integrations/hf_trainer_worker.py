@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from tiny_models import tiny_llama, token_rows
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from transformers.optimization import get_linear_schedule_with_warmup
 
 SAMPLES, SEQ, VOCAB = 12, 16, 64
@@ -38,27 +39,11 @@ LR, WEIGHT_DECAY, BETAS, EPS, MAX_NORM = 3e-3, 0.01, (0.9, 0.98), 1e-7, 0.5
 
 
 def build_model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(1234)
-    return LlamaForCausalLM(config)
+    return tiny_llama(1234, SEQ, VOCAB)
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(99)
-    rows = []
-    for _ in range(SAMPLES):
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids.clone()})
-    return rows
+    return token_rows(99, SAMPLES, SEQ, VOCAB)
 
 
 def ds_config(stage: int, ds_optimizer: bool) -> dict[str, Any]:

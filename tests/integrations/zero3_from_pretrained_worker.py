@@ -24,27 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed
+import tiny_models
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
 SEQ, VOCAB, MICRO, STEPS, LR, MAX_NORM = 16, 64, 2, 4, 3e-3, 1.0
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(2024)
-    return LlamaForCausalLM(config)
+    return tiny_models.tiny_llama(2024, SEQ, VOCAB)
 
 
 class CountingGather:
