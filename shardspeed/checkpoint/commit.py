@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.expert_placement import ExpertNames
 from shardspeed.checkpoint.format import (
     FORMAT_VERSION,
     LATEST,
@@ -96,6 +97,8 @@ def take_snapshot(
     scalars = collect_fragments(engine, writer, exclude_frozen=exclude_frozen)
     writer.synchronize()  # device -> host copies are complete before training resumes
     rank_local = _rank_local_tensors(engine)
+    experts = ExpertNames.of(engine.module)
+    aliases = tied_aliases(engine.module).items()
     stem = rank_stem(rank)
     meta = {
         "file": f"{stem}.safetensors",
@@ -108,9 +111,10 @@ def take_snapshot(
         "optimizer_scalars": scalars,
         "engine": capture_engine_state(engine),
         "rng": capture_rng_state(),
-        # every rank names its own module's parameters: a pipeline stage holds only some
-        "tied_aliases": tied_aliases(engine.module),
-        "param_order": list(engine.module.state_dict().keys()),
+        # every rank names its own module's parameters: a pipeline stage holds only some;
+        # experts under their global ids, every global expert listed
+        "tied_aliases": {experts.global_name(a): experts.global_name(n) for a, n in aliases},
+        "param_order": experts.global_order(list(engine.module.state_dict().keys())),
     }
     return RankSnapshot(
         save_dir=save_dir,

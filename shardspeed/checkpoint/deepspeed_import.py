@@ -11,6 +11,10 @@ followed by the alignment padding of the last rank. At stage 3 every DP rank wri
 holds ``fp32_flat_groups`` (each parameter split on its own into ``ceil(numel / world)``
 chunks, the last one padded) and the base optimizer's ``optimizer_state_dict``.
 
+Expert-parallel MoE checkpoints (per-expert ``layer_*_expert_*`` files, expert groups
+partitioned over ``expert_data``) are read through
+:mod:`shardspeed.checkpoint.deepspeed_experts`; experts get their global ids.
+
 The import rebuilds every trainable parameter's full fp32 master and per-element optimizer
 state (``exp_avg``, ``exp_avg_sq``, ...) and writes them as if saved by a world-size-1
 stage-0 ShardSpeed engine; :func:`shardspeed.checkpoint.load_checkpoint` then reshards it
@@ -39,6 +43,14 @@ from typing import Any
 import torch
 
 from shardspeed.checkpoint.commit import read_rank_metas
+from shardspeed.checkpoint.deepspeed_experts import (
+    ep_rank_sources,
+    expert_files,
+    expert_suffix,
+    globalise,
+    group_ep_size,
+    with_expert_keys,
+)
 from shardspeed.checkpoint.format import (
     FORMAT_VERSION,
     KIND_BUFFER,
@@ -241,7 +253,7 @@ def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:
         raise ValueError(
             f"tag {tag!r} under {str(ds_dir)!r} has neither {MODEL_STATES} nor "
             f"{MODEL_STATES_Z3}; DeepSpeed tags found there: {tags}. Pass one of them "
-            "(pipeline and MoE checkpoints are not supported by this importer)."
+            "(pipeline checkpoints are not supported by this importer)."
         )
     return tag
 
@@ -403,35 +415,39 @@ def import_deepspeed_checkpoint(
     writer = FragmentWriter()
     scalars: list[dict[str, Any]] = []
     states = [_group_states(o[base_key], n_groups) for o in rank_opts]
+    base = rank_opts[0][base_key]
+    groups = base.get("param_groups", []) if isinstance(base, dict) else []
+    experts = expert_files(tag_dir)
     for g, name_shapes in enumerate(param_shapes):
-        sources = {KIND_MASTER: [o[flat_key][g] for o in rank_opts]}
-        group_scalars: dict[str, Any] = {}
-        for k, v in states[0][g].items():
-            if isinstance(v, torch.Tensor) and v.numel() == sources[KIND_MASTER][0].numel() > 1:
-                sources[k] = [s[g][k] for s in states]
-            elif isinstance(v, torch.Tensor):
-                group_scalars[k] = {
-                    "value": v.item(),
-                    "dtype": dtype_name(v.dtype),
-                    "on_param_device": False,
-                }
-            else:
-                group_scalars[k] = {"value": _json_value(v)}
-        scalars.append(group_scalars)
-        for kind, parts in sources.items():
-            for name, t in split(name_shapes, parts, f"group {g} {kind}").items():
-                writer.add(name, kind, list(name_shapes[name]), 0, t)
+        ep_size = group_ep_size(groups[g]) if g < len(groups) else 1
+        if ep_size > 1 and stage == 3:
+            raise ValueError(
+                f"{str(tag_dir)!r} is a ZeRO-3 checkpoint with expert-parallel group "
+                f"{groups[g].get('name')!r}; importing MoE checkpoints is supported at ZeRO 1/2."
+            )
+        partition_count = rank_opts[0].get("partition_count")
+        count = partition_count[g] if isinstance(partition_count, list) else None
+        sources_of = ep_rank_sources(ep_size, len(rank_opts), count if ep_size > 1 else None)
+        for ep_rank, ranks in enumerate(sources_of):
+            rename = globalise(list(name_shapes), ep_rank) if ep_size > 1 else {}
+            sources = {KIND_MASTER: [rank_opts[r][flat_key][g] for r in ranks]}
+            for k, v in states[ranks[0]][g].items():
+                if isinstance(v, torch.Tensor) and v.numel() == sources[KIND_MASTER][0].numel() > 1:
+                    sources[k] = [states[r][g][k] for r in ranks]
+            for kind, parts in sources.items():
+                for name, t in split(name_shapes, parts, f"group {g} {kind}").items():
+                    writer.add(rename.get(name, name), kind, list(name_shapes[name]), 0, t)
+        scalars.append(_group_scalars(states[0][g], rank_opts[0][flat_key][g]))
     module = model["module"]
     for name, shape in (model.get("frozen_param_shapes") or {}).items():
         writer.add(name, KIND_PARAM, list(shape), 0, module[name])
     for name in model.get("buffer_names") or []:
         if name in module:
             writer.add(name, KIND_BUFFER, list(module[name].shape), 0, module[name])
+    expert_keys = _add_expert_files(writer, experts, model.get("buffer_names") or [])
 
     out_tag = out_tag or tag
     inside(out_dir, out_tag, "output tag")  # written under out_dir, never beside it
-    base = rank_opts[0][base_key]
-    groups = base.get("param_groups", []) if isinstance(base, dict) else []
     config = model.get("ds_config") or {}
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
     client = _client_state(model)
@@ -463,9 +479,46 @@ def import_deepspeed_checkpoint(
         },
         "rng": capture_rng_state(),
         "tied_aliases": dict(model.get("shared_params") or {}),
-        "param_order": list(module.keys()),
+        "param_order": with_expert_keys(list(module.keys()), expert_keys),
     }
     return _write(out_dir, out_tag, meta, {**writer.tensors, **client_tensors})
+
+
+def _group_scalars(state: dict[str, Any], flat: torch.Tensor) -> dict[str, Any]:
+    """The optimizer state of one group that is not per element (Adam's ``step``), as JSON."""
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor) and v.numel() == flat.numel() > 1:
+            continue
+        if isinstance(v, torch.Tensor):
+            out[k] = {"value": v.item(), "dtype": dtype_name(v.dtype), "on_param_device": False}
+        else:
+            out[k] = {"value": _json_value(v)}
+    return out
+
+
+def _add_expert_files(
+    writer: FragmentWriter, files: list[Path], buffer_names: list[str]
+) -> list[str]:
+    """Add what DeepSpeed's per-expert files hold beyond the optimizer's masters (frozen
+    expert parameters, expert buffers); return every key they hold (global expert ids)."""
+    written = {e["name"] for e in writer.entries}
+    buffers = {expert_suffix(n) for n in buffer_names} - {None}
+    keys: list[str] = []
+    for path in files:
+        state = _load_trusted(path)
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"{str(path)!r} holds a {type(state).__name__}, not an expert state dict; the "
+                "DeepSpeed checkpoint is corrupt."
+            )
+        for name, value in state.items():
+            keys.append(name)
+            if name in written or not isinstance(value, torch.Tensor):
+                continue
+            kind = KIND_BUFFER if expert_suffix(name) in buffers else KIND_PARAM
+            writer.add(name, kind, list(value.shape), 0, value)
+    return keys
 
 
 def _write(out_dir: Path, tag: str, meta: dict[str, Any], tensors: dict[str, Any]) -> Path:

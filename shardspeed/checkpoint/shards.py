@@ -7,6 +7,8 @@ this rank's fragments of the *new* layout (each sharding group's ``master_fragme
 see :mod:`shardspeed.zero.fragments`) onto the stored ranges, so any world size and any
 stage 0-3 loads any other. Tensor-parallel parameters are stored per tensor rank and
 resharded across tensor-parallel degrees (:mod:`shardspeed.checkpoint.tp_placement`).
+MoE experts are stored under their global expert ids and reloaded at any expert-parallel
+degree (:mod:`shardspeed.checkpoint.expert_placement`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.checkpoint.expert_placement import ExpertNames
 from shardspeed.checkpoint.format import (
     KIND_BUFFER,
     KIND_MASTER,
@@ -62,18 +65,21 @@ def master_fragments(engine: Any) -> Iterator[tuple[MasterFragment, Placement | 
     A fragment's ``shape``/``start`` are in the local tensor: this rank's shard of a
     tensor-parallel parameter."""
     names = param_names(engine.module)
+    experts = ExpertNames.of(engine.module)
     replicated = _replicated_ids(engine)
     t_rank = tensor_rank(engine)
     for group in engine.flat_groups:
         for f in param_fragments(group):
             placement = Placement.of(f.param, t_rank)
-            # stage 0 replicas: data rank 0 writes; parameters replicated over the tensor
-            # axis: tensor rank 0; a pipeline's tied copies: another stage
-            owner = f.sharded or engine.dp_rank == 0
+            name = names[id(f.param)]
+            # stage 0 replicas: data rank 0 (expert_data rank 0 for an expert) writes;
+            # parameters replicated over the tensor axis: tensor rank 0; a pipeline's tied
+            # copies: another stage
+            owner = f.sharded or experts.writes_replica(name, engine.dp_rank)
             owner = owner and (placement is not None or t_rank == 0)
             yield (
                 MasterFragment(
-                    name=names[id(f.param)],
+                    name=experts.global_name(name),
                     shape=list(f.shape),
                     start=f.start,
                     length=f.length,
@@ -212,17 +218,22 @@ def _collect_fragments(engine: Any, writer: FragmentWriter, *, exclude_frozen: b
         for kind, src in sources.items():
             piece = src.reshape(-1)[frag.local : frag.local + frag.length]
             writer.add(frag.name, kind, frag.shape, frag.start, piece, placement)
-    if engine.dp_rank == 0:  # rank 0 of each pipeline stage; duplicates are dropped by the index
-        t_rank = tensor_rank(engine)
-        trainable = trainable_ids(engine)
-        if not exclude_frozen:
-            for name, p in engine.module.named_parameters():
-                placement = Placement.of(p, t_rank)
-                if id(p) not in trainable and (placement is not None or t_rank == 0):
-                    writer.add(name, KIND_PARAM, list(p.shape), 0, p, placement)
-        if t_rank == 0:  # buffers are whole on every tensor rank
-            for name, b in persistent_buffers(engine.module).items():
-                writer.add(name, KIND_BUFFER, list(b.shape), 0, b)
+    # whole tensors: data rank 0 of each pipeline stage (expert_data rank 0 of each expert's
+    # ep rank) writes them; duplicates are dropped by the index
+    experts = ExpertNames.of(engine.module)
+    t_rank = tensor_rank(engine)
+    trainable = trainable_ids(engine)
+    if not exclude_frozen:
+        for name, p in engine.module.named_parameters():
+            placement = Placement.of(p, t_rank)
+            if id(p) in trainable or not experts.writes_replica(name, engine.dp_rank):
+                continue
+            if placement is not None or t_rank == 0:
+                writer.add(experts.global_name(name), KIND_PARAM, list(p.shape), 0, p, placement)
+    if t_rank == 0:  # buffers are whole on every tensor rank
+        for name, b in persistent_buffers(engine.module).items():
+            if experts.writes_replica(name, engine.dp_rank):
+                writer.add(experts.global_name(name), KIND_BUFFER, list(b.shape), 0, b)
     return scalars
 
 
@@ -363,8 +374,9 @@ def _load_full_tensors(
     targets.update({n: (b, KIND_BUFFER) for n, b in persistent_buffers(engine.module).items()})
     missing = []
     local, t_rank = LocalReader(reader), tensor_rank(engine)
+    experts = ExpertNames.of(engine.module)
     for name, (tensor, kind) in targets.items():
-        entry = index.get(name)
+        entry = index.get(experts.global_name(name))
         if entry is None or kind not in entry["kinds"]:
             missing.append(name)
             continue

@@ -437,6 +437,10 @@ KEY_STATUS: dict[str, KeyRule] = {
         "hybrid_engine.pin_parameters",
     ),
     **_used("runtime/engine.py (the clipping norm of expert groups)", "moe.grad_norm"),
+    **_used(
+        "runtime/engine.py (DeepSpeed's zero-gradient optimizer step at 16-bit ZeRO 0)",
+        "initial_zero_grad_step",
+    ),
     **_refused(
         "hybrid_engine.inference_tp_size",
         "tensor-parallel generation inside the hybrid engine is not implemented",

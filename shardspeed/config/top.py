@@ -164,6 +164,14 @@ class ShardSpeedConfig(ConfigModel):
     torch_autocast: TorchAutocastConfig = Field(
         default_factory=TorchAutocastConfig, description="torch.autocast-based precision."
     )
+    initial_zero_grad_step: Literal["deepspeed", "none"] = Field(
+        "deepspeed",
+        description="ShardSpeed option (not a DeepSpeed key). At ZeRO stage 0 with bf16/fp16 "
+        "parameters, 'deepspeed' reproduces DeepSpeed 0.19.8: the engine steps the optimizer "
+        "once with all-zero gradients when it is built (Adam's step count starts at 1, so its "
+        "first real update is about 0.74 lr; weight decay moves the fp32 masters once). "
+        "Not with a bf16 pipeline, as in DeepSpeed. 'none' skips that step.",
+    )
 
     # -- sharding and parallelism --------------------------------------------------------------
     zero_optimization: ZeroConfig = Field(

@@ -26,12 +26,14 @@ from shardspeed.runtime.expert_layout import (
     expert_norm_groups,
     expert_parallel_size,
     split_expert_groups,
+    uses_fused_adam,
 )
 from shardspeed.runtime.memory import memory_breakdown
+from shardspeed.runtime.pipe.module import PipelineModule
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.topology import Topology
-from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.utils.logging import get_logger, info_once, log_dist
 from shardspeed.zero.fragments import param_fragments
 from shardspeed.zero.grad_norm import GradNorm, NormTerm
 from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
@@ -110,6 +112,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 gradient_clipping=config.gradient_clipping,
                 check_overflow=self._checks_overflow(),
             )
+            if self._takes_initial_zero_grad_step():
+                self._initial_zero_grad_step()
         self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
         if config.activation_checkpointing_given:
             from shardspeed.runtime import activation_checkpointing
@@ -266,7 +270,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         names = dict.fromkeys(n for g in self.flat_groups if (n := expert_name(g.params)))
         for name in names:
             slices = self._master_slices(lambda p, n=name: getattr(p, "group_name", None) == n)
-            axes = expert_norm_groups(name, self.stage >= 1, self._config.moe.grad_norm)
+            axes = expert_norm_groups(
+                name, self.stage >= 1, self._config.moe.grad_norm,
+                low_precision=self.precision.param_dtype != torch.float32,
+                fused_adam=uses_fused_adam(self.basic_optimizer, self._config.optimizer),
+            )  # fmt: skip
             terms.append(NormTerm(slices, [*axes, *pipe]))
         divide = float(topo.size(dense)) if local else 1.0
         return GradNorm(default, self.device, terms, divide=divide)
@@ -301,6 +309,33 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         if self.precision.param_dtype == torch.bfloat16:
             return bool(getattr(self._config.bf16, "check_grad_overflow", True))
         return False
+
+    def _takes_initial_zero_grad_step(self) -> bool:
+        """Whether DeepSpeed 0.19.8 would step this optimizer once with zero gradients when
+        built: its 16-bit ZeRO-0 wrappers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
+        for client and config optimizers alike) do; its ZeRO optimizers, fp32 training and
+        the bf16 pipeline optimizer (``BF16_Optimizer``) do not. Config
+        ``initial_zero_grad_step: "none"`` turns it off."""
+        if self._config.initial_zero_grad_step != "deepspeed" or self.stage != 0:
+            return False
+        dtype = self.precision.param_dtype
+        if dtype == torch.bfloat16:
+            return not isinstance(self.module, PipelineModule)
+        return dtype == torch.float16
+
+    def _initial_zero_grad_step(self) -> None:
+        """DeepSpeed's ``initialize_optimizer_states`` (see :meth:`_takes_initial_zero_grad_step`)."""
+        assert self.optimizer is not None
+        self.optimizer.step_with_zero_grads()
+        if self.global_rank == 0:
+            info_once(
+                f"ZeRO stage 0 with {self.precision.param_dtype} parameters: stepped the "
+                "optimizer once with zero gradients at construction, as DeepSpeed 0.19.8 does "
+                "(Adam's first real update is then about 0.74 lr; weight decay, if any, moved "
+                'the masters once). Set "initial_zero_grad_step": "none" in the config to skip '
+                "it.",
+                __name__,
+            )
 
     def _check_optimizer_supported(self, optimizer: torch.optim.Optimizer) -> None:
         from shardspeed.optim import is_elementwise
@@ -481,8 +516,25 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             from shardspeed.zero.init import GatheredParameters
 
             with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
-                return load_full_state_dict(self.module, state_dict, strict=strict)
-        return self.sharding.load_full_state_dict(self.module, state_dict, strict)
+                result = load_full_state_dict(self.module, state_dict, strict=strict)
+        else:
+            result = self.sharding.load_full_state_dict(self.module, state_dict, strict)
+        if self.stage < 3:  # stage 3 refreshes its masters when the gathered units exit
+            self._masters_from_params()
+        return result
+
+    @torch.no_grad()
+    def _masters_from_params(self) -> None:
+        """Copy the (just loaded) whole parameters into this rank's master fragments, so the
+        next step starts from them instead of the stale masters (bf16/fp16, offload)."""
+        resident = getattr(self.optimizer, "state_resident", None)
+        with resident(write=True) if resident is not None else contextlib.nullcontext():
+            for group in self.flat_groups:
+                if getattr(group, "masters_alias_params", False):
+                    continue
+                for f in param_fragments(group):
+                    master = group.masters[f.master_index].view(-1)[f.local : f.local + f.length]
+                    master.copy_(f.param.detach().reshape(-1)[f.start : f.start + f.length])
 
     @torch.no_grad()
     def publish_params(self) -> None:
@@ -562,17 +614,21 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         )
 
     def _check_checkpointable(self, what: str) -> None:
-        """Refuse expert-parallel models: their ranks hold different experts under the same
-        parameter names, which the name-keyed format would merge. (Tensor-parallel shards
-        are stored per tensor rank with their split: shardspeed.checkpoint.tp_placement.)"""
+        """Refuse ``save_16bit_model`` for expert-parallel models: rank 0 alone would write
+        its own local experts under local names. ``save_checkpoint`` / ``load_checkpoint``
+        store experts under global ids (shardspeed.checkpoint.expert_placement) and reshard
+        them across ep sizes; tensor-parallel shards by tensor rank (tp_placement)."""
+        if what in ("save_checkpoint", "load_checkpoint"):
+            return
         for group in self.flat_groups:
             name = expert_name(group.params)
             if name is not None and expert_parallel_size(name) > 1:
                 raise ValueError(
                     f"engine.{what}(): the model has expert-parallel MoE layers ({name}); "
-                    "checkpoints with ep_size > 1 are not supported yet (each rank's local "
-                    "experts share parameter names). Use ep_size=1 to checkpoint, or save "
-                    "each rank's engine.module.state_dict() yourself."
+                    "this export writes rank 0's module only and would miss the other ranks' "
+                    "experts. Save with engine.save_checkpoint(dir) and convert it with "
+                    "shardspeed.checkpoint.get_fp32_state_dict_from_checkpoint(dir) (every "
+                    "global expert), or use ep_size=1."
                 )
 
     def wait_checkpoint(self) -> None:

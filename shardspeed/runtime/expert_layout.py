@@ -11,9 +11,11 @@ are replicated over its ``expert_data`` axis, so (as in DeepSpeed):
 * at ZeRO >= 1 they are sharded over ``expert_data``;
 * the clipping norm is DeepSpeed's by default (``MOE_GRAD_NORMS``): sharded (ZeRO >= 1)
   the true global norm, squares summed over ``expert_data`` and ``expert``; at stage 0
-  DeepSpeed's fp32 ``clip_grad_norm_`` rule, each rank's norm over the gradients it holds
-  (dense and its own experts) averaged over the data ranks, which is at most the true
-  norm. ``"global"`` gives the true norm at every stage.
+  with fp32 parameters DeepSpeed's ``clip_grad_norm_`` rule, each rank's norm over the
+  gradients it holds (dense and its own experts) averaged over the data ranks, which is
+  at most the true norm; at stage 0 with bf16/fp16 parameters the rule of DeepSpeed's
+  16-bit wrapper, which depends on the optimizer (:func:`expert_norm_groups`).
+  ``"global"`` gives the true norm at every stage.
 
 Each optimizer param group must be all dense or all experts of one ``group_name``: groups
 that mix them are split here for config-built optimizers (DeepSpeed's
@@ -27,7 +29,9 @@ from typing import Any
 
 import torch
 
-from shardspeed.zero.grad_norm import RankNormMean
+from shardspeed.config.optimizer import OptimizerConfig
+from shardspeed.ops.adam import FusedAdam
+from shardspeed.zero.grad_norm import OverflowOnly, RankNormMean
 from shardspeed.zero.sharding import ShardAxis
 
 
@@ -78,20 +82,33 @@ MOE_GRAD_NORMS = ("deepspeed", "global")
 
 
 def expert_norm_groups(
-    name: str, sharded: bool, grad_norm: str = "deepspeed", low_precision: bool = False
+    name: str,
+    sharded: bool,
+    grad_norm: str = "deepspeed",
+    low_precision: bool = False,
+    fused_adam: bool = False,
 ) -> list[Any]:
     """Groups to sum an expert group's squared gradient norm over.
 
-    ``grad_norm="deepspeed"`` (default): DeepSpeed 0.19.8's clipping norm. Sharded, its ZeRO
-    1/2 optimizer sums every rank's partition (the true norm; its
-    ``_average_expert_grad_norms`` then averages equal values; checked against DeepSpeed
-    runs). Unsharded fp32, its ``clip_grad_norm_`` averages the ranks' own norms over the
-    data-parallel group: a :class:`~shardspeed.zero.grad_norm.RankNormMean` over the
-    topology's ``data`` axis (checked against DeepSpeed runs). ``low_precision=True``
-    (unsharded 16-bit parameters) gives the true norm, the rule DeepSpeed's BF16 / FP16
-    optimizer wrappers follow in their source (``get_norm_with_moe_layers``); not yet
-    matched against a DeepSpeed bf16 run. ``grad_norm="global"``: the true global norm at
-    every stage.
+    ``grad_norm="deepspeed"`` (default): DeepSpeed 0.19.8's clipping norm.
+
+    * Sharded (ZeRO >= 1): its ZeRO optimizer sums every rank's partition (the true norm;
+      its ``_average_expert_grad_norms`` then averages equal values). Checked against
+      DeepSpeed runs in fp32 and bf16.
+    * Unsharded, fp32 parameters: its ``clip_grad_norm_`` averages the ranks' own norms
+      over the data-parallel group: a :class:`~shardspeed.zero.grad_norm.RankNormMean`
+      over the topology's ``data`` axis. Checked against DeepSpeed runs.
+    * Unsharded, 16-bit parameters (``low_precision``), ``fused_adam=True`` (what
+      :func:`uses_fused_adam` says): its ``FP16_Optimizer`` adds every expert group's
+      norm over the expert axis (``get_norm_with_moe_layers``), the true norm. Checked
+      against DeepSpeed bf16 runs with ``"optimizer": {"type": "Adam"}``.
+    * Unsharded, 16-bit, any other optimizer (a client ``torch.optim`` instance, Lamb,
+      ``torch_adam``): its ``FP16_UnfusedOptimizer`` clips by the norm of the dense
+      gradients alone; expert gradients only take part in the overflow check: an
+      :class:`~shardspeed.zero.grad_norm.OverflowOnly` over the ``data`` axis. Checked
+      against DeepSpeed bf16 runs with a client ``torch.optim.Adam`` (2 and 4 ranks).
+
+    ``grad_norm="global"``: the true global norm at every stage.
     """
     if grad_norm not in MOE_GRAD_NORMS:
         raise ValueError(
@@ -101,9 +118,32 @@ def expert_norm_groups(
     topo = _topology(name)
     if sharded:
         return [topo.group("expert_data"), topo.group("expert")]
-    if grad_norm == "global" or low_precision or topo.size("data") == 1:
+    if grad_norm == "global" or (low_precision and fused_adam):
+        return [topo.group("expert")]
+    if low_precision:
+        return [OverflowOnly(topo.group("data"))]
+    if topo.size("data") == 1:
         return [topo.group("expert")]
     return [RankNormMean(topo.group("data"), topo.size("data"))]
+
+
+def uses_fused_adam(
+    optimizer: torch.optim.Optimizer | None, config_optimizer: OptimizerConfig | None
+) -> bool:
+    """Whether DeepSpeed would step this optimizer as ``FusedAdam``, which picks its
+    16-bit stage-0 wrapper (and so the MoE clipping norm, :func:`expert_norm_groups`).
+
+    DeepSpeed builds ``FusedAdam`` for ``"optimizer": {"type": "Adam" | "AdamW"}`` unless
+    ``params.torch_adam`` is true (ShardSpeed builds torch's Adam there, so the config
+    decides); a client optimizer counts when it is a ``FusedAdam`` instance.
+    """
+    if isinstance(optimizer, FusedAdam):
+        return True
+    if config_optimizer is None:
+        return False
+    params = config_optimizer.params or {}
+    adam = config_optimizer.type.lower() in ("adam", "adamw")
+    return adam and not params.get("torch_adam", False)
 
 
 def expert_parallel_size(name: str) -> int:

@@ -22,6 +22,13 @@ norms over the data-parallel group, instead of summing the experts' squares over
 expert axis. The marked term's squares then stay on the rank, the norm is rooted per rank
 and averaged over the marker's group: the mean of the ranks' norms, at most the true
 global norm (equal when every rank's experts have equal norms).
+
+Or an :class:`OverflowOnly`: DeepSpeed's norm for unsharded 16-bit expert gradients under
+an optimizer other than ``FusedAdam``. Its FP16/BF16 wrapper clips by the norm of the
+dense gradients alone but checks every gradient for overflow. The marked term's squares
+are left out of the norm and only reduced over the marker's group (and the term's other
+groups), so that a non-finite expert gradient on any rank makes every rank's norm
+non-finite.
 """
 
 from __future__ import annotations
@@ -44,6 +51,15 @@ class RankNormMean:
 
     group: Any
     size: int
+
+
+@dataclass(frozen=True, eq=False)
+class OverflowOnly:
+    """In a term's groups: leave its squares out of the norm, but let a non-finite value on
+    any rank of ``group`` make the norm non-finite; DeepSpeed's 16-bit stage-0 norm with
+    expert parameters and an optimizer other than ``FusedAdam``."""
+
+    group: Any
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,14 @@ class GradNorm:
                 parts.append((sq, term.groups))
         parts.insert(0, (rest, self.groups))
         means = [g for _, groups in parts for g in groups if isinstance(g, RankNormMean)]
-        parts = [(sq, [g for g in gs if not isinstance(g, RankNormMean)]) for sq, gs in parts]
-        total = self._sum_over_groups(parts)
+        flagged = [any(isinstance(g, OverflowOnly) for g in gs) for _, gs in parts]
+        parts = [(sq, _plain_groups(gs)) for sq, gs in parts]
+        vec = self._sum_over_groups(parts)  # (num_parts,)
+        total = vec.sum()
+        if any(flagged):
+            keep = torch.tensor([not f for f in flagged], device=vec.device)
+            # 0 * a finite flagged sum adds nothing; 0 * inf or nan makes the total nan
+            total = vec[keep].sum() + 0.0 * vec[~keep].sum()
         if self.divide != 1.0:
             total = total / self.divide
         if means:
@@ -105,7 +127,8 @@ class GradNorm:
 
     @staticmethod
     def _sum_over_groups(parts: list[tuple[torch.Tensor, Sequence[Any]]]) -> torch.Tensor:
-        """All-reduce each part over its groups (one collective per distinct group)."""
+        """All-reduce each part over its groups (one collective per distinct group); the
+        parts' reduced squares, ``(num_parts,)``."""
         vec = torch.stack([sq for sq, _ in parts])  # (num_parts,)
         order: list[Any] = []
         for _, groups in parts:
@@ -118,4 +141,10 @@ class GradNorm:
                 sub = vec[members].clone()
                 comm.all_reduce(sub, group=group)
                 vec[members] = sub
-        return vec.sum()
+        return vec
+
+
+def _plain_groups(groups: Sequence[Any]) -> list[Any]:
+    """A term's process groups to sum over: markers dropped, an OverflowOnly's unwrapped."""
+    out = [g.group if isinstance(g, OverflowOnly) else g for g in groups]
+    return [g for g in out if not isinstance(g, RankNormMean)]

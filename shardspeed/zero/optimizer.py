@@ -141,6 +141,24 @@ class ShardedOptimizer:
         self.zero_grad()
         return StepResult(applied=True, grad_norm=grad_norm)
 
+    @torch.no_grad()
+    def step_with_zero_grads(self) -> None:
+        """Step the torch optimizer once with an all-zero gradient on every master.
+
+        DeepSpeed 0.19.8's 16-bit ZeRO-0 wrappers do this when they are built
+        (``initialize_optimizer_states``): it creates the optimizer state and counts one step
+        (Adam's bias correction then makes the first real update about 0.74 lr), and
+        decoupled weight decay moves the masters once. The parameters are not written: the
+        first forward uses the initial weights, the first real step publishes the masters.
+        """
+        assert self.swapper is None, "ZeRO 0 (the only caller) never swaps masters to NVMe"
+        masters = [m for group in self.groups for m in group.masters]
+        for master in masters:
+            master.grad = torch.zeros_like(master)
+        self.optimizer.step()
+        for master in masters:
+            master.grad = None
+
     def _unscale_into_master_grads(self, inv_scale: float) -> None:
         # optimizer_grad() starts the device -> host copies (offload); wait for them once
         pairs = [

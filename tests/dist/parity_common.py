@@ -4,7 +4,9 @@ The reference trains the same model on the same global batch in one process with
 PyTorch: per micro-batch forward/backward in the parameter dtype, gradients summed in
 fp32, global-norm clipping, the optimizer on fp32 masters, masters cast back to the
 parameters. For fp32 this is ordinary training; for bf16/fp16 it is the precision policy
-the engine claims to implement, computed without any sharding.
+the engine claims to implement, computed without any sharding, including DeepSpeed's
+zero-gradient optimizer step at construction at 16-bit ZeRO 0 (config
+``initial_zero_grad_step``; :func:`takes_initial_zero_grad_step`).
 """
 
 from __future__ import annotations
@@ -89,6 +91,22 @@ def param_groups(model: torch.nn.Module, spec: ParitySpec, params: list | None =
     ]
 
 
+def takes_initial_zero_grad_step(spec: ParitySpec) -> bool:
+    """Whether the engine steps the optimizer once with zero gradients when built, as
+    DeepSpeed 0.19.8 does at ZeRO 0 with 16-bit parameters (unless the config opts out)."""
+    opted_out = spec.extra.get("initial_zero_grad_step") == "none"
+    return spec.stage == 0 and spec.precision != "fp32" and not opted_out
+
+
+def step_with_zero_grads(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
+    """One optimizer step with all-zero gradients (counts a step; weight decay applies)."""
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    for m in masters:
+        m.grad = None
+
+
 def micro_batch(spec: ParitySpec, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch ``index`` (0..world*gas-1) of optimizer step ``step``: same on every process."""
     g = torch.Generator().manual_seed(spec.seed * 7919 + step * 1009 + index)
@@ -124,6 +142,8 @@ def _reference_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tenso
         opt = build_optimizer("AdamW", {"lr": spec.lr}, param_groups(model, spec, masters))
     else:
         opt = build_optimizer(spec.optimizer, spec.optimizer_params(), masters)
+    if takes_initial_zero_grad_step(spec):  # before the scheduler, as in the engine
+        step_with_zero_grads(opt, masters)
     sched = None
     if spec.scheduler is not None:
         sched = build_lr_scheduler(spec.scheduler["type"], dict(spec.scheduler["params"]), opt)

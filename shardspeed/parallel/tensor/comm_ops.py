@@ -44,8 +44,14 @@ def all_gather_pieces(
 ) -> list[torch.Tensor]:
     """Every rank's ``x`` (width ``sizes[r]`` along ``dim``, may differ), in rank order.
 
-    Uneven widths are zero-padded to the widest so one flat all-gather serves every rank.
+    Equal widths gather straight into a ``(ranks, *x.shape)`` buffer (contiguous pieces,
+    so the caller's ``cat`` is a plain copy); uneven widths are zero-padded to the widest so
+    one flat all-gather serves every rank.
     """
+    if all(w == sizes[0] for w in sizes):
+        flat = x.new_empty((len(sizes) * x.shape[0], *x.shape[1:]))
+        comm.all_gather_into_tensor(flat, x.contiguous(), group=group)
+        return list(flat.view(len(sizes), *x.shape).unbind(0))
     front = x.movedim(dim, 0)  # (w_r, ...)
     width = max(sizes)
     padded = front.new_zeros((width, *front.shape[1:]))
