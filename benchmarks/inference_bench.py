@@ -19,9 +19,19 @@ HF fp32 at the same batch.
     python benchmarks/inference_bench.py                       # full default grid
     python benchmarks/inference_bench.py --quick               # small model, 1 round
     python benchmarks/inference_bench.py --engines hf --precisions fp32,int8 --batches 1
+    python benchmarks/inference_bench.py --engines fastgen --offload none,cpu   # ZeRO-Inference
 
-Columns for tensor parallelism and ZeRO-Inference offload are fields of ``Cell``
-(``tp``, ``offload``); runners for them plug into ``RUNNERS``.
+``--offload`` adds rows where FastGen streams the decoder layers from host memory
+(``cpu``) or from files under ``--offload-path`` (``nvme``) (``pipeline(offload=...)``,
+prefetch ``--offload-prefetch``); HF rows are always ``none``.
+
+``--tp 1,2`` adds FastGen rows with tensor parallelism (``pipeline(tensor_parallel=T)``:
+this process + T-1 spawned workers). Every rank runs ``--threads`` threads, so a tp=T
+row uses T x threads cores; compare fairly with ``--threads cores//T``. tp > 1 is
+refused with int8/int4 or offload, so those cells are skipped with a note. Each pipeline
+is shut down (workers stopped) after the rounds.
+
+    python benchmarks/inference_bench.py --engines fastgen --precisions fp32 --tp 1,2 --threads 1
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ if str(REPO_ROOT) not in sys.path:
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 ENGINES = ("hf", "fastgen")
+OFFLOADS = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,16")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--offload", default="none", help="fastgen weight offload: none,cpu,nvme")
+    p.add_argument("--offload-path", default=None, help="directory for --offload nvme")
+    p.add_argument("--offload-prefetch", type=int, default=1)
+    p.add_argument("--tp", default="1", help="fastgen tensor-parallel degrees, e.g. 1,2")
     p.add_argument("--int4-group-size", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -100,13 +115,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.hidden, args.intermediate, args.layers, args.vocab = 256, 512, 2, 1024
         args.rounds, args.new_tokens = 1, 6
-    for name, allowed in (("precisions", PRECISIONS), ("engines", ENGINES)):
+    for name, allowed in (("precisions", PRECISIONS), ("engines", ENGINES), ("offload", OFFLOADS)):
         values = [v for v in getattr(args, name).split(",") if v]
         bad = sorted(set(values) - set(allowed))
         if bad:
             p.error(f"--{name} {bad} unknown; choose from {allowed}")
         setattr(args, name, values)
-    args.batches = [int(b) for b in args.batches.split(",") if b]
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b]
+        args.tp = sorted({int(t) for t in args.tp.split(",") if t})
+    except ValueError as exc:
+        p.error(f"--batches and --tp take comma-separated ints ({exc})")
+    if not args.tp or min(args.tp) < 1:
+        p.error(f"--tp {args.tp} must list ints >= 1, e.g. --tp 1,2")
+    if "nvme" in args.offload and not args.offload_path:
+        p.error("--offload nvme needs --offload-path DIR (an existing writable directory)")
     if args.new_tokens < 2:
         p.error("--new-tokens must be >= 2 (TPOT needs two lengths)")
     return args
@@ -152,12 +175,18 @@ def quant_config(precision: str, args: argparse.Namespace) -> Any:
 
 # ----------------------------------------------------------------------------- runners
 # A runner prepares one (engine, precision, tp, offload) once and returns
-# ``generate(prompts, new_tokens) -> None``; cells at every batch size share it.
+# ``(generate(prompts, new_tokens) -> None, close() -> None)``; cells at every batch size
+# share it and ``close`` releases it after the rounds (tensor-parallel workers).
 
 Generate = Callable[[list[list[int]], int], None]
+Prepared = tuple[Generate, Callable[[], None]]
 
 
-def hf_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) -> Generate:
+def _nothing_to_close() -> None:
+    return None
+
+
+def hf_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) -> Prepared:
     from shardspeed.inference.quantization import quantize_model
 
     if cell.precision == "fp32":
@@ -175,16 +204,22 @@ def hf_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) -> Ge
             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
         )  # fmt: skip
 
-    return generate
+    return generate, _nothing_to_close
 
 
-def fastgen_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) -> Generate:
+def fastgen_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) -> Prepared:
     from shardspeed.inference.serving.pipeline import pipeline
 
     dtype = "bf16" if cell.precision == "bf16" else "fp32"
     max_batch = max(args.batches)
+    offload = None
+    if cell.offload != "none":
+        offload = {"device": cell.offload, "prefetch": args.offload_prefetch}
+        if cell.offload == "nvme":
+            offload["path"] = args.offload_path
     pipe = pipeline(
         base, dtype=dtype, quantization=quant_config(cell.precision, args), block_size=16,
+        offload=offload, tensor_parallel=cell.tp,
         num_blocks=max_batch * ((args.prompt_len + args.new_tokens) // 16 + 2),
         max_ragged_sequence_count=max_batch, max_ragged_batch_size=max_batch * args.prompt_len,
         max_seq_len=args.prompt_len + args.new_tokens + 1,
@@ -193,10 +228,19 @@ def fastgen_runner(base: torch.nn.Module, cell: Cell, args: argparse.Namespace) 
     def generate(prompts: list[list[int]], new_tokens: int) -> None:
         pipe(prompts, max_new_tokens=new_tokens, ignore_eos=True)
 
-    return generate
+    return generate, pipe.shutdown
 
 
-RUNNERS: dict[str, Callable[[torch.nn.Module, Cell, argparse.Namespace], Generate]] = {
+def skip_reason(cell: Cell) -> str | None:
+    """Why ``cell`` is not run (the engine refuses it), or None."""
+    if cell.tp > 1 and cell.precision in ("int8", "int4"):
+        return f"tensor_parallel={cell.tp} with {cell.precision} quantization is refused"
+    if cell.tp > 1 and cell.offload != "none":
+        return f"tensor_parallel={cell.tp} with offload={cell.offload} is refused"
+    return None
+
+
+RUNNERS: dict[str, Callable[[torch.nn.Module, Cell, argparse.Namespace], Prepared]] = {
     "hf": hf_runner,
     "fastgen": fastgen_runner,
 }
@@ -233,27 +277,42 @@ def main(argv: list[str] | None = None) -> None:
         b: torch.randint(3, args.vocab, (b, args.prompt_len), generator=gen).tolist()
         for b in args.batches
     }
-    runners: dict[tuple[str, str], Generate] = {}
+    # (engine, precision, tp, offload) -> (generate, close)
+    runners: dict[tuple[str, str, int, str], Prepared] = {}
     for engine in args.engines:
+        offloads = args.offload if engine == "fastgen" else ["none"]
+        tps = args.tp if engine == "fastgen" else [1]
         for precision in args.precisions:
-            t0 = time.perf_counter()
-            runners[(engine, precision)] = RUNNERS[engine](base, Cell(engine, precision, 1), args)
-            print(f"prepared {engine} {precision} in {time.perf_counter() - t0:.1f}s", flush=True)
+            for tp in tps:
+                for offload in offloads:
+                    cell = Cell(engine, precision, 1, tp=tp, offload=offload)
+                    why_not = skip_reason(cell)
+                    if why_not is not None:
+                        print(f"skipping {cell.label}: {why_not}", flush=True)
+                        continue
+                    t0 = time.perf_counter()
+                    runners[(engine, precision, tp, offload)] = RUNNERS[engine](base, cell, args)
+                    print(f"prepared {cell.label} in {time.perf_counter() - t0:.1f}s", flush=True)
     results = {
-        (e, p, b): Result(Cell(e, p, b)) for (e, p) in runners for b in args.batches
+        (e, p, t, o, b): Result(Cell(e, p, b, tp=t, offload=o))
+        for (e, p, t, o) in runners for b in args.batches
     }  # fmt: skip
-    for generate in runners.values():  # warm-up: first calls allocate and pick kernels
-        generate(prompts[min(args.batches)], 2)
-    for r in range(args.rounds):
-        for (engine, precision, batch), result in results.items():
-            generate = runners[(engine, precision)]
-            result.tpot_s.append(measure_tpot(generate, prompts[batch], args.new_tokens))
-            print(
-                f"  round {r + 1} {engine} {precision} batch {batch}: "
-                f"TPOT {1e3 * result.tpot_s[-1]:.1f} ms",
-                flush=True,
-            )
-        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    try:
+        for generate, _ in runners.values():  # warm-up: first calls allocate and pick kernels
+            generate(prompts[min(args.batches)], 2)
+        for r in range(args.rounds):
+            for (engine, precision, tp, offload, batch), result in results.items():
+                generate, _ = runners[(engine, precision, tp, offload)]
+                result.tpot_s.append(measure_tpot(generate, prompts[batch], args.new_tokens))
+                print(
+                    f"  round {r + 1} {result.cell.label} batch {batch}: "
+                    f"TPOT {1e3 * result.tpot_s[-1]:.1f} ms",
+                    flush=True,
+                )
+            print(f"round {r + 1}/{args.rounds} done", flush=True)
+    finally:
+        for _, close in runners.values():  # stop tensor-parallel workers now
+            close()
     print_table(results, args)
     if args.json:
         rows = [
@@ -263,18 +322,25 @@ def main(argv: list[str] | None = None) -> None:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
-def print_table(results: dict[tuple[str, str, int], Result], args: argparse.Namespace) -> None:
+def print_table(
+    results: dict[tuple[str, str, int, str, int], Result], args: argparse.Namespace
+) -> None:
     print()
+    print(
+        f"Each rank (tp=T: this process + T-1 workers) uses --threads={args.threads} threads, "
+        f"so a tp=T row uses T x {args.threads} cores; for a fair CPU comparison run "
+        "--threads cores//T."
+    )
     print(
         "| engine | precision | tp | offload | batch | TPOT ms (median) | decode tok/s | vs HF fp32 |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for (engine, precision, batch), res in results.items():
-        base = results.get(("hf", "fp32", batch))
+    for (engine, precision, tp, offload, batch), res in results.items():
+        base = results.get(("hf", "fp32", 1, "none", batch))
         ratio = f"{res.tokens_per_s() / base.tokens_per_s():.2f}x" if base else "-"
         spread = ", ".join(f"{1e3 * t:.0f}" for t in res.tpot_s)
         print(
-            f"| {engine} | {precision} | {res.cell.tp} | {res.cell.offload} | {batch} | "
+            f"| {engine} | {precision} | {tp} | {offload} | {batch} | "
             f"{1e3 * res.median_tpot():.1f} ({spread}) | {res.tokens_per_s():.1f} | {ratio} |"
         )
 

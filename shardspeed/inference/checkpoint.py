@@ -8,6 +8,10 @@ directory (Hugging Face ``save_pretrained`` output: its ``*.safetensors`` or
 is copied into this rank's shard (:func:`~shardspeed.parallel.tensor.state.load_full_state_dict`),
 so at most one file of full tensors is held at once. Every model tensor must be found
 (tied ones count once) and no checkpoint tensor may be left over.
+
+Files named by a JSON index or descriptor must lie inside its folder (or ``base_dir``): an
+entry that is absolute or climbs out with ``..`` is refused, as are missing, unreadable or
+corrupted files (each error names the file).
 """
 
 from __future__ import annotations
@@ -40,9 +44,28 @@ def checkpoint_files(source: str | dict[str, Any], base_dir: str = "") -> list[P
     if not path.exists():
         raise ValueError(f"init_inference: checkpoint {str(path)!r} does not exist.")
     if path.suffix == ".json":
-        descriptor = json.loads(path.read_text())
+        try:
+            descriptor = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"init_inference: checkpoint descriptor {str(path)!r} is not readable JSON "
+                f"({exc}); pass a Hugging Face *.index.json or DeepSpeed's checkpoint JSON."
+            ) from exc
+        if not isinstance(descriptor, dict):
+            raise ValueError(
+                f"init_inference: checkpoint descriptor {str(path)!r} holds a "
+                f"{type(descriptor).__name__}, not a JSON object."
+            )
         if "weight_map" in descriptor:  # Hugging Face sharded-checkpoint index
-            return [path.parent / f for f in sorted(set(descriptor["weight_map"].values()))]
+            weight_map = descriptor["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise ValueError(
+                    f"init_inference: {str(path)!r}: 'weight_map' must map tensor names to file "
+                    "names."
+                )
+            return [_inside(path.parent, f, path) for f in sorted(set(weight_map.values()))]
         return _from_descriptor(descriptor, base_dir or str(path.parent))
     if path.suffix not in _STATE_SUFFIXES:
         raise ValueError(
@@ -66,19 +89,58 @@ def _from_descriptor(descriptor: dict[str, Any], base_dir: str) -> list[Path]:
             "init_inference: pre-sharded (tp_size > 1) checkpoints are not supported; give the "
             "full state dict, it is sliced per rank at load."
         )
+    if not all(isinstance(f, str) for f in files):
+        raise ValueError(
+            f"init_inference: checkpoint descriptor 'checkpoints' must hold file names, got "
+            f"{files!r}."
+        )
     root = Path(descriptor.get("base_dir") or base_dir or ".")
-    return [Path(f) if Path(f).is_absolute() else root / f for f in files]
+    return [_inside(root, f, "the checkpoint descriptor") for f in files]
+
+
+def _inside(root: Path, name: str, where: object) -> Path:
+    """``root / name``, refused when ``name`` is absolute or resolves outside ``root``."""
+    candidate = Path(name)
+    resolved_root = root.resolve()
+    resolved = (root / candidate).resolve()
+    if candidate.is_absolute() or not resolved.is_relative_to(resolved_root):
+        raise ValueError(
+            f"init_inference: {where} names checkpoint file {name!r}, which lies outside its "
+            f"folder {str(root)!r}; list files relative to that folder (no absolute paths or "
+            "'..')."
+        )
+    if not resolved.is_file():
+        raise ValueError(
+            f"init_inference: {where} names checkpoint file {name!r}, but {str(root / name)!r} "
+            "does not exist; copy every file of the checkpoint into its folder."
+        )
+    return root / name
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """One file's tensors, on the CPU."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    """One file's tensors, on the CPU; ``ValueError`` naming the file if it is unreadable,
+    truncated or not a name -> tensor mapping."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
 
-        return load_file(str(path), device="cpu")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(str(path), device="cpu")
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # safetensors, pickle and zip errors have no common base
+        raise ValueError(
+            f"init_inference: cannot read checkpoint file {str(path)!r} "
+            f"({type(exc).__name__}: {exc}); the file is missing, truncated or corrupted."
+        ) from exc
     if isinstance(state, dict) and "module" in state and isinstance(state["module"], dict):
         state = state["module"]  # a DeepSpeed model-states file
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"init_inference: checkpoint file {str(path)!r} is not a state dict (a mapping of "
+            "parameter names to tensors)."
+        )
     return state
 
 

@@ -149,7 +149,10 @@ def test_lone_surrogate_is_400_with_hf_tokenizer():
     finally:
         thread.stop()
     # Behind the API check, the engine itself turns the tokenizer's TypeError into a
-    # ValueError (a 400 for the server, a clear error for pipeline() users).
+    # ValueError (a 400 for the server, a clear error for pipeline() users). The server's
+    # shutdown shut its engine down too, so a fresh one is asked.
+    engine = make_engine()
+    engine.tokenizer = engine.output_processor.tokenizer = _hf_tokenizer()
     with pytest.raises(ValueError, match="could not be tokenized"):
         engine.add_request("hello \ud800")
 

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shardspeed.inference.fastgen.attention import ATTENTION_BACKENDS
+from shardspeed.inference.fastgen.offload_config import OffloadConfig
 from shardspeed.inference.fastgen.scheduler import SCHEDULER_POLICIES
 
 
@@ -44,6 +45,14 @@ class EngineConfig:
             cannot take the path); ``"compile"`` / ``"cuda_graph"`` explicitly;
             False or None (auto) => eager (the CPU compile costs ~10 s, minutes
             on a loaded machine; docs/inference.md has the measurements).
+        offload: ZeRO-Inference weight offload (None => weights stay on ``device``):
+            ``{"device": "cpu" | "nvme", "path": dir (nvme), "prefetch": 1,
+            "pin_memory": True, "budget_bytes": None}`` or an
+            :class:`~shardspeed.inference.fastgen.offload_config.OffloadConfig`; decoder
+            layers' weights live off the compute device and are streamed in ahead of
+            use (see :mod:`~shardspeed.inference.fastgen.offload`).
+        tensor_parallel: tensor-parallel degree; > 1 shards the model over that many
+            ranks (the caller's process plus spawned workers), token-identical to 1.
     """
 
     block_size: int | None = None
@@ -60,6 +69,8 @@ class EngineConfig:
     watermark: float = 0.01
     quantization: Any = None
     compile_decode: bool | str | None = None
+    offload: Any = None
+    tensor_parallel: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -82,6 +93,7 @@ class EngineConfig:
         positive("max_ragged_batch_size", self.max_ragged_batch_size, False)
         positive("max_ragged_sequence_count", self.max_ragged_sequence_count, False)
         positive("max_seq_len", self.max_seq_len, True)
+        positive("tensor_parallel", self.tensor_parallel, False)
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(
                 f"EngineConfig.scheduler={self.scheduler!r} is not supported; "
@@ -98,6 +110,24 @@ class EngineConfig:
             from shardspeed.inference.quantization import WeightQuantConfig
 
             self.quantization = WeightQuantConfig.parse(self.quantization)
+        self._validate_offload()
+
+    def _validate_offload(self) -> None:
+        """Parse ``offload`` into an :class:`OffloadConfig` (None when disabled)."""
+        self.offload = OffloadConfig.parse(self.offload)
+        if self.offload is None:
+            return
+        if self.compile_decode not in (None, False):
+            raise ValueError(
+                f"EngineConfig.offload={self.offload.device!r} cannot be combined with "
+                f"compile_decode={self.compile_decode!r} (a compiled step keeps the weights' "
+                "device addresses, offload reuses them per layer); set compile_decode=False."
+            )
+        if self.tensor_parallel > 1:
+            raise ValueError(
+                f"EngineConfig.offload={self.offload.device!r} with tensor_parallel="
+                f"{self.tensor_parallel} is not supported yet; use tensor_parallel=1 or no offload."
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

@@ -33,12 +33,14 @@ from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec, resolve_
 from shardspeed.inference.fastgen.loader import build_model, resolve_tokenizer
 from shardspeed.inference.fastgen.logprobs import record_prompt_logprobs, sampled_logprobs
 from shardspeed.inference.fastgen.model_runner import ModelRunner
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
 from shardspeed.inference.fastgen.outputs import RequestOutput, select_best
 from shardspeed.inference.fastgen.request import Request, sample_request_ids
 from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
+from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError, start_tensor_parallel
 from shardspeed.utils.logging import get_logger, warning_once
 
 __all__ = ["EngineConfig", "EngineStats", "InferenceEngine", "RequestFailedError"]
@@ -71,11 +73,27 @@ class InferenceEngine:
     """Continuous-batching text generation over a blocked KV cache."""
 
     def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
+        self._is_shut_down = False
         self.config = config or EngineConfig()
         self.config.validate()
         cfg = self.config
         self.device = cfg.resolved_device()
-        self.model, self.model_config = build_model(model, cfg.dtype, self.device, cfg.quantization)
+        # tensor_parallel > 1: workers spawn now and load their shards while this one loads
+        self.peers = start_tensor_parallel(model, cfg, self.device)
+        shard = self.peers.shard if self.peers is not None else NO_SHARD
+        # with offload the model is built (and quantized, for self.device) on the host and
+        # the streamer moves only the resident parts: the device never holds all weights
+        load_device = torch.device("cpu") if cfg.offload is not None else self.device
+        self.model, self.model_config = build_model(
+            model, cfg.dtype, load_device, cfg.quantization, shard, target_device=self.device
+        )
+        from shardspeed.inference.fastgen.offload import enable_weight_offload
+
+        # ZeRO-Inference: decoder layers stream in from cfg.offload's store (None: all resident)
+        self.weight_offload = enable_weight_offload(self.model, cfg.offload, self.device)
+        if self.weight_offload is not None:  # under budget_bytes the KV gets what weights leave
+            kv = self.weight_offload.kv_cache_memory(cfg.kv_cache_memory, cfg.num_blocks)
+            cfg.kv_cache_memory = kv
         self.tokenizer = tokenizer
         self.max_seq_len = self._resolve_max_seq_len()
         block_size = cfg.block_size or (64 if self.device.type == "cuda" else 16)
@@ -87,7 +105,11 @@ class InferenceEngine:
         num_blocks = resolve_num_blocks(
             spec, self.device, cfg.num_blocks, cfg.kv_cache_memory, max_useful_tokens
         )
-        self.kv_cache = KVCache(spec, num_blocks, self.device)
+        backend = select_backend(cfg.attention_backend, self.device, block_size, spec.dtype)
+        if self.peers is None:
+            self.kv_cache = KVCache(spec, num_blocks, self.device)
+        else:  # every rank allocates the same blocks of its own KV heads
+            self.kv_cache = self.peers.connect(spec, num_blocks, backend)
         self.block_pool = BlockPool(num_blocks, block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_pool,
@@ -99,10 +121,9 @@ class InferenceEngine:
         self.scheduler.kv_window = m.kv_window  # frees blocks outside a sliding window
         self.scheduler.rope_recompute_len = m.rope_recompute_len  # longrope crossing
         self.scheduler.rope_key = m.kv_rope_key
-        backend = select_backend(cfg.attention_backend, self.device, block_size, spec.dtype)
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.device, backend, cfg.compile_decode,
-            cfg.max_ragged_sequence_count, self.max_seq_len,
+            cfg.max_ragged_sequence_count, self.max_seq_len, self.peers,
         )  # fmt: skip
         eos = list(m.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
@@ -154,6 +175,7 @@ class InferenceEngine:
         :func:`~.request.sample_request_ids` gives (``"<id>#<index>"``); the first
         computes the prompt and the others fork from its KV blocks after prefill.
         """
+        self._check_not_shut_down()
         params = params or SamplingParams()
         params.validate()
         token_ids = self._encode(prompt)
@@ -273,6 +295,7 @@ class InferenceEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
+        self._check_not_shut_down()
         now = time.perf_counter()
         for seq in batch.sequences:
             if seq.request.metrics.first_scheduled_time is None:
@@ -367,10 +390,13 @@ class InferenceEngine:
         If the batched forward raises, every sequence runs alone (rewriting its own KV
         slots with the same values); those that still fail are finished with an error.
         When two or more sequences all fail alone, the fault is the engine's, not a
-        request's, and the original error is raised.
+        request's, and the original error is raised. A tensor-parallel failure
+        (:class:`TensorParallelError`) is the engine's at once and is raised as is.
         """
         try:
             return self.runner.execute(batch), batch
+        except TensorParallelError:  # the ranks are out of step: no per-request retry
+            raise
         except Exception as batch_error:
             logger.warning(
                 "the forward of %d sequences failed (%s); running each alone",
@@ -490,6 +516,32 @@ class InferenceEngine:
             result.extend(select_best(outs, sp.n) if sp.num_samples > sp.n else outs)
         return result
 
+    def shutdown(self) -> None:
+        """Release what the engine holds beyond memory (idempotent): the weight offload
+        (its worker thread; its NVMe files are deleted) and the tensor-parallel workers.
+
+        The engine cannot generate afterwards (``add_request`` and a ``step`` with work
+        raise ``RuntimeError``). Without calling it, a tensor-parallel engine stops its
+        workers and an offloading one removes its files when garbage-collected or when
+        this process exits.
+        """
+        if self._is_shut_down:
+            return
+        self._is_shut_down = True
+        try:
+            if self.weight_offload is not None:
+                self.weight_offload.close()
+        finally:
+            if self.peers is not None:
+                self.peers.shutdown()
+
+    def _check_not_shut_down(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError(
+                "this InferenceEngine was shut down (shutdown() released its weight offload "
+                "and tensor-parallel workers); build a new engine to generate again."
+            )
+
     def stats(self) -> EngineStats:
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
@@ -505,7 +557,8 @@ class InferenceEngine:
 
     def __repr__(self) -> str:
         s = self.stats()
+        tp = f", tensor_parallel={self.peers.world_size}" if self.peers is not None else ""
         return (
-            f"InferenceEngine({self.model.model_type}, device={self.device}, "
+            f"InferenceEngine({self.model.model_type}, device={self.device}{tp}, "
             f"blocks={s.kv_blocks_used}/{s.kv_blocks_total}, scheduler={self.config.scheduler})"
         )

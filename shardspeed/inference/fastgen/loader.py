@@ -7,7 +7,13 @@ The weights are always *copied* into our own ragged modules: the source model's
   ``model.safetensors.index.json``), HF layout or ``GPT.save_pretrained``'s;
 * a ``transformers`` ``PreTrainedModel`` (its ``config`` and ``state_dict``);
 * a :class:`shardspeed.models.gpt.GPT`;
+* a :class:`CheckpointSource` (config dict + state dict: how an in-memory model
+  reaches tensor-parallel worker processes);
 * an already-built :class:`RaggedModel` (moved to ``device``/``dtype``).
+
+With a sharded :class:`~.models.tp_shard.TensorShard` the model is built with one
+tensor-parallel rank's shapes and ``map_weight`` slices each checkpoint tensor as
+it streams past, so a rank keeps only its part.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from shardspeed.inference.fastgen.models import RaggedModel, get_model_class
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -91,12 +99,24 @@ def _config_dtype(config: dict[str, Any]) -> torch.dtype | None:
     return _DTYPES.get(str(name).replace("torch.", "")) if name else None
 
 
+@dataclass(frozen=True)
+class CheckpointSource:
+    """A model as plain data: its config dict (with ``model_type``), state dict and dtype."""
+
+    config: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    dtype: torch.dtype | None
+
+
 def describe_source(
     model_or_path: Any,
 ) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], torch.dtype | None]:
     """(config dict with ``model_type``, weight iterator, checkpoint dtype) of a source."""
     from shardspeed.models.gpt import GPT
 
+    if isinstance(model_or_path, CheckpointSource):
+        src = model_or_path
+        return dict(src.config), iter(src.weights.items()), src.dtype
     if isinstance(model_or_path, (str, Path)):
         directory = Path(model_or_path)
         config = load_hf_config(directory)
@@ -142,49 +162,106 @@ def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> 
             setattr(module, name, nn.Parameter(empty, requires_grad=False))
 
 
+def checkpoint_source(model_or_path: Any) -> str | CheckpointSource:
+    """``model_or_path`` in a form to send to another process: a directory stays a path
+    string, an in-memory model becomes a :class:`CheckpointSource`."""
+    if isinstance(model_or_path, (str, Path)):
+        return str(model_or_path)
+    if isinstance(model_or_path, CheckpointSource):
+        return model_or_path
+    config, weights, dtype = describe_source(model_or_path)
+    return CheckpointSource(config, dict(weights), dtype)
+
+
+def check_shardable(model_or_path: Any, world_size: int) -> None:
+    """``ValueError`` unless ``model_or_path`` can be split over ``world_size`` tensor-parallel
+    ranks (supported family, heads and MLP rows divisible); builds it on the meta device."""
+    if isinstance(model_or_path, RaggedModel):
+        raise ValueError(
+            f"EngineConfig.tensor_parallel={world_size} needs the checkpoint to slice at load, "
+            f"but got an already-built {type(model_or_path).__name__}; pass its HF directory or "
+            "transformers model instead, or use tensor_parallel=1."
+        )
+    config, _, _ = describe_source(model_or_path)
+    cls = get_model_class(config.get("model_type"))
+    if not cls.supports_tensor_parallel:
+        from shardspeed.inference.fastgen.models.registry import supported_model_types
+
+        supported = [
+            t for t in supported_model_types() if get_model_class(t).supports_tensor_parallel
+        ]
+        raise ValueError(
+            f"EngineConfig.tensor_parallel={world_size}: model_type={config.get('model_type')!r} "
+            f"({cls.__name__}) does not support tensor parallelism yet; supported: {supported}. "
+            "Use tensor_parallel=1 for this model."
+        )
+    shard = TensorShard(0, world_size, all_reduce=_unused_all_reduce)
+    with torch.device("meta"), _skip_param_init():
+        cls.from_config(config, shard)  # type: ignore[call-arg]
+
+
+def _unused_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("check_shardable builds on the meta device and never runs a forward")
+
+
 def build_model(
     model_or_path: Any,
     dtype: torch.dtype | str | None,
     device: torch.device,
     quantization: Any = None,
+    shard: TensorShard = NO_SHARD,
+    target_device: torch.device | None = None,
 ) -> tuple[RaggedModel, dict[str, Any]]:
     """A ragged model on ``device`` in ``dtype`` (None: checkpoint dtype; fp16 -> fp32 on CPU).
 
     ``quantization`` (a :class:`~shardspeed.inference.quantization.WeightQuantConfig`,
     its name or dict) quantizes the linear layers once the weights are loaded.
+    ``shard`` builds one tensor-parallel rank's part (see :func:`check_shardable`).
+    ``target_device`` is where the model will run when that is not ``device`` (weight
+    offload builds on the host for a GPU): the default dtype and the quantized kernels'
+    layout follow it; None means ``device``.
     """
+    target = device if target_device is None else target_device
     dtype = parse_dtype(dtype)
+    if shard.sharded:
+        check_shardable(model_or_path, shard.world_size)
     if isinstance(model_or_path, RaggedModel):
         model = model_or_path.to(device=device, dtype=dtype) if dtype else model_or_path.to(device)
-        _quantize(model, quantization)
+        _quantize(model, quantization, target)
         return model.eval(), {"model_type": model.model_type}
     config, weights, source_dtype = describe_source(model_or_path)
     if dtype is None:
         dtype = source_dtype or torch.float32
-        if device.type == "cpu" and dtype == torch.float16:
+        if target.type == "cpu" and dtype == torch.float16:
             dtype = torch.float32
     cls = get_model_class(config.get("model_type"))
     with torch.device("meta"), _skip_param_init():
-        model = cls.from_config(config)
+        if shard.sharded:
+            model = cls.from_config(config, shard)  # type: ignore[call-arg]
+        else:
+            model = cls.from_config(config)
     _materialize(model, dtype, device)
     model.tie_weights()
     model.load_weights(weights)
-    _quantize(model, quantization)
+    _quantize(model, quantization, target)
     n_params = sum(p.numel() for p in model.parameters())
+    part = f", tensor-parallel rank {shard.rank}/{shard.world_size}" if shard.sharded else ""
+    place = f"{device} (for {target})" if target != device else str(device)
     logger.info(
-        "loaded %s (%s, %.1fM params) on %s as %s", cls.__name__, config.get("model_type"),
-        n_params / 1e6, device, str(dtype).replace("torch.", ""),
+        "loaded %s (%s, %.1fM params%s) on %s as %s", cls.__name__, config.get("model_type"),
+        n_params / 1e6, part, place, str(dtype).replace("torch.", ""),
     )  # fmt: skip
     return model.eval(), config
 
 
-def _quantize(model: RaggedModel, quantization: Any) -> None:
-    """Weight-only quantization of ``model``'s linear layers in place (None: nothing)."""
+def _quantize(model: RaggedModel, quantization: Any, target_device: torch.device) -> None:
+    """Weight-only quantization of ``model``'s linear layers in place (None: nothing), with
+    kernels for ``target_device``."""
     if quantization is None:
         return
     from shardspeed.inference.quantization import quantize_model
 
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, target_device)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

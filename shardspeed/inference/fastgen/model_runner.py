@@ -2,10 +2,14 @@
 
 Decode-only batches may take the compiled static-shape step of
 :mod:`~shardspeed.inference.fastgen.compiled_decode` (``EngineConfig.compile_decode``);
-everything else (prompt chunks, mixed batches) runs the eager ragged forward.
+everything else (prompt chunks, mixed batches) runs the eager ragged forward. With
+tensor-parallel ``peers`` the batch goes to the workers first and the forward runs
+in step with theirs (see :mod:`~shardspeed.inference.fastgen.tensor_parallel`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +19,9 @@ from shardspeed.inference.fastgen.models import RaggedModel
 from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 from shardspeed.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from shardspeed.inference.fastgen.tensor_parallel import TensorParallelPeers
 
 logger = get_logger(__name__)
 
@@ -62,8 +69,10 @@ class ModelRunner:
         compile_decode: bool | str | None = None,
         max_batch: int = 64,
         max_seq_len: int = 4096,
+        peers: TensorParallelPeers | None = None,
     ):
         self.model = model
+        self.peers = peers
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
@@ -80,4 +89,6 @@ class ModelRunner:
         if self.compiled is not None and self.compiled.accepts(batch):
             return self.compiled.run(batch).float()
         ragged = build_ragged_batch(batch, self.block_size, self.device, self.backend)
+        if self.peers is not None:
+            return self.peers.execute(batch, lambda: self.model(ragged, self.kv_cache)).float()
         return self.model(ragged, self.kv_cache).float()

@@ -20,6 +20,11 @@ kernel                 torch op                                      buffers
 torch's int4 kernels dequantize as ``(q - 8) * scale + zero`` with a float zero, so our
 integer zero point ``z`` becomes ``zero = (8 - z) * scale``. Its int8 kernel is symmetric
 per channel; an asymmetric int8 weight adds ``- sum_k(x) * scale * z`` afterwards.
+
+``pack(qw, compute_dtype, device)`` returns buffers on ``qw``'s device laid out for
+``device`` (the device ``matmul`` will run on), so a model can be quantized on the host
+for a GPU it is moved to later (ZeRO-Inference loads this way). Only ``torch_int4_cuda``
+needs the device itself for packing: its layout op runs on CUDA, one weight at a time.
 """
 
 from __future__ import annotations
@@ -51,7 +56,11 @@ class QuantKernel:
         """None if this kernel can run ``qw`` on ``device`` in ``compute_dtype``, else why not."""
         raise NotImplementedError
 
-    def pack(self, qw: QuantizedWeight, compute_dtype: torch.dtype) -> Buffers:
+    def pack(
+        self, qw: QuantizedWeight, compute_dtype: torch.dtype, device: torch.device | None = None
+    ) -> Buffers:
+        """The buffers ``matmul`` reads, on ``qw``'s device, laid out for ``device``
+        (the device ``matmul`` runs on; None: ``qw``'s)."""
         raise NotImplementedError
 
     def matmul(self, x: torch.Tensor, buffers: Buffers, qmeta: QuantMeta) -> torch.Tensor:
@@ -87,7 +96,9 @@ class ReferenceKernel(QuantKernel):
     ) -> str | None:
         return None
 
-    def pack(self, qw: QuantizedWeight, compute_dtype: torch.dtype) -> Buffers:
+    def pack(
+        self, qw: QuantizedWeight, compute_dtype: torch.dtype, device: torch.device | None = None
+    ) -> Buffers:
         buffers = {"qweight": qw.qdata, "scales": qw.scales}
         if qw.zeros is not None:
             zero_dtype = torch.int8 if qw.bits == 8 else torch.uint8  # exact: integer-valued
@@ -133,7 +144,9 @@ class TorchInt8Kernel(QuantKernel):
             return "asymmetric int8 uses the kernel only with compute_dtype=float32"
         return None
 
-    def pack(self, qw: QuantizedWeight, compute_dtype: torch.dtype) -> Buffers:
+    def pack(
+        self, qw: QuantizedWeight, compute_dtype: torch.dtype, device: torch.device | None = None
+    ) -> Buffers:
         scales = qw.scales[:, 0]  # (N, 1) -> (N,)
         buffers = {"qweight": qw.qdata.contiguous(), "scales": scales.to(compute_dtype)}
         if qw.zeros is not None:
@@ -174,7 +187,9 @@ class TorchInt4CpuKernel(QuantKernel):
             return "the CPU int4 kernel runs on CPU only"
         return None
 
-    def pack(self, qw: QuantizedWeight, compute_dtype: torch.dtype) -> Buffers:
+    def pack(
+        self, qw: QuantizedWeight, compute_dtype: torch.dtype, device: torch.device | None = None
+    ) -> Buffers:
         q = qw.int_values()  # (N, K) int32 in [0, 15]
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
         return {"qweight": packed, "scales": _int4_scale_and_zeros(qw, compute_dtype)}
@@ -206,10 +221,16 @@ class TorchInt4CudaKernel(QuantKernel):
             return f"the CUDA int4 kernel needs N % 8 == 0 and K % 128 == 0, got {qw.shape}"
         return None
 
-    def pack(self, qw: QuantizedWeight, compute_dtype: torch.dtype) -> Buffers:
+    def pack(
+        self, qw: QuantizedWeight, compute_dtype: torch.dtype, device: torch.device | None = None
+    ) -> Buffers:
         q = qw.int_values()  # (N, K) int32 in [0, 15]
-        high_first = pack_int4(torch.stack([q[:, 1::2], q[:, 0::2]], -1).flatten(-2))
-        packed = torch.ops.aten._convert_weight_to_int4pack(high_first, self.inner_k_tiles)
+        high_first = pack_int4(torch.stack([q[:, 1::2], q[:, 0::2]], -1).flatten(-2))  # (N, K/2)
+        # the layout op runs on CUDA only: pack there, hand the result back where qw lives
+        target = device if device is not None else qw.qdata.device
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            high_first.to(target), self.inner_k_tiles
+        ).to(qw.qdata.device)
         return {"qweight": packed, "scales": _int4_scale_and_zeros(qw, compute_dtype)}
 
     def matmul(self, x: torch.Tensor, buffers: Buffers, qmeta: QuantMeta) -> torch.Tensor:

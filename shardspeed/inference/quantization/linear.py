@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 # (kernel name, device type, compute dtype) -> the kernel agreed with the reference
 _VERIFIED: dict[tuple[str, str, torch.dtype], bool] = {}
 _CHECK_TOLERANCE = 2e-2  # max |kernel - reference| / max |reference| on a random input
+_CHECK_ROWS = 64  # output rows the kernel check runs (a multiple of every kernel's tile)
 
 
 class QuantizedLinear(nn.Module):
@@ -34,7 +35,8 @@ class QuantizedLinear(nn.Module):
     (torch's weight-only op, or dequantize + ``F.linear`` for the reference path) in
     ``compute_dtype`` and returns the input's dtype. The quantized tensors are
     buffers (they follow ``.to(device)`` and appear in ``state_dict``); the bias stays
-    a frozen parameter in its original dtype.
+    a frozen parameter in its original dtype. ``device`` is where ``forward`` will run
+    (None: where ``qweight`` is); the buffers stay on ``qweight``'s device, laid out for it.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class QuantizedLinear(nn.Module):
         bias: torch.Tensor | None,
         kernel: QuantKernel,
         compute_dtype: torch.dtype | None,
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
@@ -51,7 +54,7 @@ class QuantizedLinear(nn.Module):
         self.compute_dtype = compute_dtype
         pack_dtype = compute_dtype or qweight.scales.dtype
         self._buffer_names = []
-        for name, tensor in kernel.pack(qweight, pack_dtype).items():
+        for name, tensor in kernel.pack(qweight, pack_dtype, device).items():
             self.register_buffer(name, tensor)
             self._buffer_names.append(name)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -60,35 +63,49 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, config: WeightQuantConfig
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        config: WeightQuantConfig,
+        device: torch.device | None = None,
     ) -> QuantizedLinear:
-        """Quantize an ``(out, in)`` weight per ``config`` and pick its kernel."""
+        """Quantize an ``(out, in)`` weight per ``config`` and pick its kernel.
+
+        ``device`` is where the layer will run (None: ``weight``'s device); the kernel and
+        its packing are chosen for it while the buffers stay on ``weight``'s device (so a
+        model quantized on the host can move to its GPU afterwards).
+        """
+        device = weight.device if device is None else torch.device(device)
         qw = quantize_weight(weight, config.bits, config.effective_group_size, config.symmetric)
         # the torch kernels run in bf16 unless told otherwise: their fast dtype on CPU and
         # the only one of CUDA int4; the reference path computes in the input's dtype
         kernel_dtype = config.resolved_compute_dtype() or torch.bfloat16
-        kernel = select_kernel(qw, weight.device, kernel_dtype, config.kernel)
+        kernel = select_kernel(qw, device, kernel_dtype, config.kernel)
         compute_dtype = config.resolved_compute_dtype()
         if kernel is not REFERENCE:
             compute_dtype = kernel_dtype
-        if kernel is not REFERENCE and not _kernel_agrees(qw, kernel, weight.device, compute_dtype):
+        if kernel is not REFERENCE and not _kernel_agrees(qw, kernel, device, compute_dtype):
             if config.kernel == "torch":
                 raise RuntimeError(
                     f"torch kernel {kernel.name} disagrees with the reference path on "
-                    f"{weight.device} ({compute_dtype}); use WeightQuantConfig(kernel='auto')."
+                    f"{device} ({compute_dtype}); use WeightQuantConfig(kernel='auto')."
                 )
             kernel, compute_dtype = REFERENCE, config.resolved_compute_dtype()
-        return cls(qw, bias, kernel, compute_dtype)
+        return cls(qw, bias, kernel, compute_dtype, device)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: WeightQuantConfig) -> QuantizedLinear:
-        """Quantize an ``nn.Linear`` (weight ``(out, in)``)."""
-        return cls.from_weight(linear.weight, linear.bias, config)
+    def from_linear(
+        cls, linear: nn.Linear, config: WeightQuantConfig, device: torch.device | None = None
+    ) -> QuantizedLinear:
+        """Quantize an ``nn.Linear`` (weight ``(out, in)``) to run on ``device``."""
+        return cls.from_weight(linear.weight, linear.bias, config, device)
 
     @classmethod
-    def from_conv1d(cls, conv: nn.Module, config: WeightQuantConfig) -> QuantizedLinear:
+    def from_conv1d(
+        cls, conv: nn.Module, config: WeightQuantConfig, device: torch.device | None = None
+    ) -> QuantizedLinear:
         """Quantize a ``transformers`` ``Conv1D`` (GPT-2), whose weight is ``(in, out)``."""
-        return cls.from_weight(conv.weight.t(), conv.bias, config)
+        return cls.from_weight(conv.weight.t(), conv.bias, config, device)
 
     # ------------------------------------------------------------------ compute
 
@@ -146,15 +163,18 @@ def _kernel_agrees(
     """Check a torch kernel against the reference once per (kernel, device, dtype).
 
     Guards against layout conventions that differ between torch builds: a mismatch
-    falls back to the reference path with a warning instead of wrong outputs.
+    falls back to the reference path with a warning instead of wrong outputs. Runs on
+    ``device`` with the first ``_CHECK_ROWS`` output rows only (a layout check needs no
+    more), so the check adds little to the device's memory while a model loads.
     """
     key = (kernel.name, device.type, compute_dtype)
     if key in _VERIFIED:
         return _VERIFIED[key]
+    qw = _first_rows(qw, _CHECK_ROWS, device)
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(3, qw.shape[1], generator=gen).to(device=device, dtype=compute_dtype)
-    reference = torch.nn.functional.linear(x.float(), dequantize_weight(qw).to(device))
-    got = kernel.matmul(x, kernel.pack(qw, compute_dtype), QuantMeta(qw)).float()
+    reference = torch.nn.functional.linear(x.float(), dequantize_weight(qw))
+    got = kernel.matmul(x, kernel.pack(qw, compute_dtype, device), QuantMeta(qw)).float()
     err = ((got - reference).abs().max() / reference.abs().max().clamp_min(1e-6)).item()
     ok = err <= _CHECK_TOLERANCE
     if not ok:
@@ -165,3 +185,14 @@ def _kernel_agrees(
         )  # fmt: skip
     _VERIFIED[key] = ok
     return ok
+
+
+def _first_rows(qw: QuantizedWeight, rows: int, device: torch.device) -> QuantizedWeight:
+    """The first ``rows`` output rows of ``qw`` (all when it has fewer), copied to ``device``."""
+    n, k = qw.shape
+    keep = min(n, rows)
+    zeros = None if qw.zeros is None else qw.zeros[:keep].to(device)
+    return QuantizedWeight(
+        qw.qdata[:keep].to(device), qw.scales[:keep].to(device), zeros, qw.bits,
+        qw.group_size, (keep, k),
+    )  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
 import torch.nn as nn
 
 from shardspeed.inference.quantization.config import WeightQuantConfig
@@ -24,20 +25,28 @@ def _tied_weight_ids(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def quantize_model(model: nn.Module, config: WeightQuantConfig | str | dict) -> nn.Module:
+def quantize_model(
+    model: nn.Module,
+    config: WeightQuantConfig | str | dict,
+    target_device: torch.device | str | None = None,
+) -> nn.Module:
     """Replace ``nn.Linear`` / GPT-2 ``Conv1D`` layers of ``model`` by quantized ones, in place.
 
     Layers are selected by name with ``config.skip_modules`` / ``config.modules``
     (defaults: every linear layer except the output head and MoE routers); embeddings
     and norms are never touched, nor a linear layer whose weight is tied to an
-    embedding. Each weight is quantized from its current dtype and device. Returns
-    ``model`` (the same object) in eval mode.
+    embedding. Each weight is quantized from its current dtype and device, and the
+    quantized buffers stay there. ``target_device`` is where the model will run (None:
+    where each weight is): kernels and their packing are chosen for it, so a model can
+    be quantized on the host and moved to its GPU later. Returns ``model`` (the same
+    object) in eval mode.
 
     Raises ``ValueError`` when a selected layer cannot be quantized with ``config``
     (e.g. its input size is not a multiple of the group size); exclude it with
     ``skip_modules`` or choose another group size.
     """
     config = WeightQuantConfig.parse(config)
+    device = None if target_device is None else torch.device(target_device)
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_model expects an nn.Module, got {type(model).__name__}.")
     tied = _tied_weight_ids(model)
@@ -59,9 +68,9 @@ def quantize_model(model: nn.Module, config: WeightQuantConfig | str | dict) -> 
     for name, module in targets:
         try:
             if isinstance(module, nn.Linear):
-                quantized = QuantizedLinear.from_linear(module, config)
+                quantized = QuantizedLinear.from_linear(module, config, device)
             else:
-                quantized = QuantizedLinear.from_conv1d(module, config)
+                quantized = QuantizedLinear.from_conv1d(module, config, device)
         except ValueError as exc:
             raise ValueError(f"cannot quantize layer {name!r}: {exc}") from exc
         parent_name, _, child = name.rpartition(".")

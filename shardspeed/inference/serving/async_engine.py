@@ -237,13 +237,31 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; unfinished requests fail with :class:`EngineDeadError`."""
+        """Stop the engine thread, then the engine itself; unfinished requests fail with
+        :class:`EngineDeadError`.
+
+        Calls ``engine.shutdown()`` when the engine has one, so tensor-parallel workers
+        and weight-offload threads/files go away now rather than at garbage collection.
+        Idempotent (the engine's ``shutdown`` is called again, which it must tolerate).
+        """
         self._stop.set()
         self._commands.put(("wake",))
         current = threading.current_thread()
         for thread in (self._supervisor, self._thread):
             if thread is not None and thread.is_alive() and thread is not current:
                 thread.join(timeout)
+        engine_shutdown = getattr(self.engine, "shutdown", None)
+        if not callable(engine_shutdown):
+            return
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not current:
+            # a step still running after `timeout`: stopping the engine under it ends it
+            # with an error (tensor-parallel workers gone) instead of leaving it hung
+            logger.warning(
+                "the engine thread did not stop within %.1f s; shutting the engine down anyway",
+                timeout,
+            )
+        engine_shutdown()
 
     # ---- supervisor ---------------------------------------------------------------------
 

@@ -10,6 +10,8 @@
         print(delta, end="")
     pipe.shutdown()
 
+    pipe = pipeline("path/to/model", tensor_parallel=2)   # this process + 1 worker
+
 The pipeline drives the engine in the caller's thread; it is not meant to be shared
 between threads (the server in :mod:`.server` owns its engine through
 :class:`~.async_engine.AsyncEngine` instead).
@@ -381,7 +383,7 @@ class Pipeline:
             )
 
     def shutdown(self) -> None:
-        """Abort unfinished requests and drop the engine (the pipeline is unusable after)."""
+        """Drop the engine, stopping its tensor-parallel workers (the pipeline is unusable after)."""
         engine = getattr(self, "engine", None)
         if engine is None:
             return
@@ -425,7 +427,11 @@ def pipeline(
     :class:`~shardspeed.inference.quantization.WeightQuantConfig`) quantizes the model's
     linear layers to int8/int4 weights after load (docs/quantization.md).
     ``engine_config`` are :class:`EngineConfig` fields (``block_size``, ``scheduler``,
-    ``max_ragged_batch_size``, ...).
+    ``max_ragged_batch_size``, ...). ``tensor_parallel=T`` shards the model over this
+    process and ``T - 1`` spawned workers (token-identical to 1; docs/inference.md,
+    "Tensor parallelism"); :meth:`Pipeline.shutdown` stops the workers, as do garbage
+    collection and interpreter exit. Scripts that use it need the usual
+    ``if __name__ == "__main__":`` guard of spawned processes.
     """
     from shardspeed.inference.fastgen.engine import InferenceEngine
 

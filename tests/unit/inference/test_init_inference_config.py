@@ -203,6 +203,38 @@ def test_checkpoint_mismatch_is_refused(tmp_path: Path) -> None:
         shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "more.pt"))
 
 
+def test_hostile_checkpoints_are_refused(tmp_path: Path) -> None:
+    """Descriptors may not point outside their folder; broken files fail with their name."""
+    (tmp_path / "ckpt").mkdir()
+    torch.save(make_llama().state_dict(), tmp_path / "outside.pt")
+    for name, files in {
+        "climb.json": {"type": "ds_model", "checkpoints": ["../outside.pt"]},
+        "absolute.json": {"type": "ds_model", "checkpoints": [str(tmp_path / "outside.pt")]},
+        "index.json": {"weight_map": {"w": "../outside.pt"}},
+    }.items():
+        (tmp_path / "ckpt" / name).write_text(json.dumps(files))
+        with pytest.raises(ValueError, match="outside its folder"):
+            shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "ckpt" / name))
+    (tmp_path / "ckpt" / "gone.json").write_text(json.dumps({"checkpoints": ["gone.pt"]}))
+    with pytest.raises(ValueError, match="does not exist"):
+        shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "ckpt" / "gone.json"))
+    (tmp_path / "ckpt" / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "ckpt" / "bad.json"))
+    whole = (tmp_path / "outside.pt").read_bytes()
+    (tmp_path / "ckpt" / "cut.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match="cut.pt.*truncated or corrupted"):
+        shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "ckpt" / "cut.pt"))
+    (tmp_path / "ckpt" / "junk.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{junk}")
+    with pytest.raises(ValueError, match="junk.safetensors"):
+        shardspeed.init_inference(
+            make_llama(), checkpoint=str(tmp_path / "ckpt" / "junk.safetensors")
+        )
+    torch.save([1, 2, 3], tmp_path / "ckpt" / "list.pt")
+    with pytest.raises(ValueError, match="not a state dict"):
+        shardspeed.init_inference(make_llama(), checkpoint=str(tmp_path / "ckpt" / "list.pt"))
+
+
 def test_injection_policy_becomes_row_and_column_specs() -> None:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from shardspeed.inference.fastgen.models.rope import RotaryEmbedding
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard
 from shardspeed.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -28,12 +29,19 @@ class RaggedModel(nn.Module):
     :meth:`from_config` (HF ``config.json`` dict -> model) and :meth:`map_weight`
     (checkpoint tensor name -> where it goes); :meth:`load_weights` does the
     copying and checks that every parameter was filled.
+
+    Families with ``supports_tensor_parallel`` also take ``from_config(config,
+    shard)`` with a :class:`~.tp_shard.TensorShard` and then build, load (slicing in
+    ``map_weight``) and run one tensor-parallel rank's part; ``num_heads`` and
+    ``num_kv_heads`` are this rank's (what its KV cache holds).
     """
 
     model_type: str = ""
+    supports_tensor_parallel: bool = False
+    shard: TensorShard = NO_SHARD
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int  # this rank's KV heads
     head_dim: int
     vocab_size: int
     max_positions: int | None  # None => no hard limit (RoPE)

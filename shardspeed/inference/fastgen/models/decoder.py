@@ -11,10 +11,15 @@ Per layer::
 
     h = input_layernorm(x)
     q, k, v = qkv_proj(h); q, k = q_norm(q), k_norm(k)    # qk_norm (Qwen3)
-    a = o_proj(attention(rope(q), rope(k), v, window, scale, softcap))
+    a = reduce(o_proj(attention(rope(q), rope(k), v, window, scale, softcap)))
     sandwich (Gemma 2): x += post_attention_layernorm(a)
-                        x += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
-    otherwise:          x += a; x += mlp(post_attention_layernorm(x))
+                        x += post_feedforward_layernorm(reduce(mlp(pre_feedforward_layernorm(x))))
+    otherwise:          x += a; x += reduce(mlp(post_attention_layernorm(x)))
+
+``reduce`` is the tensor-parallel all-reduce (identity on one rank): a model built
+with a :class:`~.tp_shard.TensorShard` holds only its rank's heads and MLP rows,
+sliced from the checkpoint in :meth:`DecoderModel.map_weight` (layout in
+:mod:`~shardspeed.inference.fastgen.models.tp_shard`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from shardspeed.inference.fastgen.models.rope import (
     apply_rope,
     forward_seq_lens,
 )
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
 
 if TYPE_CHECKING:
     from shardspeed.inference.fastgen.kv_cache import KVCache
@@ -94,16 +100,18 @@ class GatedMLP(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k routed experts, HF Mixtral semantics: softmax (fp32) -> top-k -> renormalise.
 
-    All experts are local; each expert runs on the tokens routed to it.
+    All experts are local; each expert runs on the tokens routed to it. Under
+    tensor parallelism each expert holds ``intermediate`` rows of this rank (the
+    router is replicated) and the output is a partial sum.
     """
 
-    def __init__(self, s: DecoderSpec):
+    def __init__(self, s: DecoderSpec, intermediate: int):
         super().__init__()
         self.top_k = s.top_k
         self.gate = nn.Linear(s.hidden, s.num_experts, bias=False)
         self.experts = nn.ModuleList(
             [
-                GatedMLP(s.hidden, s.intermediate, s.act, s.act_field, False)
+                GatedMLP(s.hidden, intermediate, s.act, s.act_field, False)
                 for _ in range(s.num_experts)
             ]
         )
@@ -121,10 +129,16 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: DecoderSpec, layer_idx: int):
+    """One block; with a sharded ``shard`` it holds this rank's heads and MLP rows only."""
+
+    def __init__(self, s: DecoderSpec, layer_idx: int, shard: TensorShard = NO_SHARD):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.shard = shard
+        self.heads = shard.heads(s.num_heads, s.num_kv_heads, s.model_type)
+        self.inter_rows = shard.split(s.intermediate, "intermediate_size", s.model_type)
+        self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
+        self.head_dim = s.head_dim
+        q_size, kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
         self.split = [q_size, kv_size, kv_size]
         self.window = s.layer_windows[layer_idx] if s.layer_windows else None
         self.scale, self.softcap = s.attn_scale, s.attn_softcap
@@ -143,10 +157,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(s.hidden)
             self.post_feedforward_layernorm = norm(s.hidden)
         self.mlp: nn.Module
+        inter = len(self.inter_rows)
         if s.num_experts:
-            self.mlp = SparseMoE(s)
+            self.mlp = SparseMoE(s, inter)
         else:
-            self.mlp = GatedMLP(s.hidden, s.intermediate, s.act, s.act_field, s.mlp_bias)
+            self.mlp = GatedMLP(s.hidden, inter, s.act, s.act_field, s.mlp_bias)
 
     def forward(
         self,
@@ -169,31 +184,41 @@ class DecoderLayer(nn.Module):
             q, k, v, kv_cache, layer, batch.slot_mapping, batch.attn,
             window=self.window, scale=self.scale, softcap=self.softcap,
         )  # fmt: skip
-        a = self.o_proj(o.reshape(n, -1))  # [N, hidden]
+        a = self.shard.reduce(self.o_proj(o.reshape(n, -1)))  # [N, hidden]
         if self.sandwich:
             x = x + self.post_attention_layernorm(a)
-            h = self.mlp(self.pre_feedforward_layernorm(x))
+            h = self.shard.reduce(self.mlp(self.pre_feedforward_layernorm(x)))
             return x + self.post_feedforward_layernorm(h)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.shard.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class DecoderModel(RaggedModel):
-    """Ragged decoder built from a :class:`DecoderSpec`; subclasses implement ``spec_from_config``."""
+    """Ragged decoder built from a :class:`DecoderSpec`; subclasses implement ``spec_from_config``.
 
-    def __init__(self, s: DecoderSpec):
+    ``shard`` builds one tensor-parallel rank's part (``num_heads`` / ``num_kv_heads``
+    are then this rank's); embeddings, norms and the LM head stay whole.
+    """
+
+    supports_tensor_parallel = True
+
+    def __init__(self, s: DecoderSpec, shard: TensorShard = NO_SHARD):
         super().__init__()
         self.spec = s
+        self.shard = shard
         self.model_type = s.model_type
         self.num_layers = s.num_layers
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        heads = shard.heads(s.num_heads, s.num_kv_heads, s.model_type)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            heads.num_heads, heads.num_kv_heads, s.head_dim
+        )  # fmt: skip
         self.vocab_size = s.vocab_size
         self.max_positions = s.max_positions
         self.eos_token_ids = list(s.eos_token_ids)
         windows = set(s.layer_windows) if s.layer_windows else {None}
         self.kv_window = windows.pop() if len(windows) == 1 else None
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden)
-        self.layers = nn.ModuleList([DecoderLayer(s, i) for i in range(s.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(s, i, shard) for i in range(s.num_layers)])
         self.norm = RMSNorm(s.hidden, s.eps, s.norm_offset)
         self.rotary = RotaryEmbedding(s.rope)
         self.tied = s.tied
@@ -215,8 +240,8 @@ class DecoderModel(RaggedModel):
         raise NotImplementedError
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> DecoderModel:
-        return cls(cls.spec_from_config(config))
+    def from_config(cls, config: dict[str, Any], shard: TensorShard = NO_SHARD) -> DecoderModel:
+        return cls(cls.spec_from_config(config), shard)
 
     def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
@@ -251,31 +276,66 @@ class DecoderModel(RaggedModel):
         prefix = f"layers.{idx}."
         if module in self._NORMS:
             return [(f"{prefix}{module.removeprefix('self_attn.')}.{kind}", tensor, None, False)]
-        q, kv = layer.split[0], layer.split[1]
-        attn_rows = {
-            "self_attn.q_proj": ("qkv_proj", slice(0, q)),
-            "self_attn.k_proj": ("qkv_proj", slice(q, q + kv)),
-            "self_attn.v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-            "self_attn.qkv_proj": ("qkv_proj", None),  # Phi-3: already fused q, k, v
-            "self_attn.o_proj": ("o_proj", None),
-        }
-        if module in attn_rows:
-            target, rows = attn_rows[module]
-            return [(f"{prefix}{target}.{kind}", tensor, rows, False)]
+        if module.startswith("self_attn."):
+            return self._map_attention(layer, prefix, module, kind, tensor)
+        return self._map_mlp(layer, int(idx), module, kind, tensor)
+
+    def _map_attention(
+        self, layer: DecoderLayer, prefix: str, module: str, kind: str, tensor: torch.Tensor
+    ) -> list[WeightTarget] | None:
+        """q/k/v/o projections: this rank's head rows (o_proj: columns) of each."""
+        d, (q, kv) = self.head_dim, layer.split[:2]
+        q_full = self.spec.num_heads * d
+        kv_full = self.spec.num_kv_heads * d
+        q_rows = head_rows(layer.heads.q_heads, d)
+        kv_rows = head_rows(layer.heads.kv_heads, d)
+        qkv = f"{prefix}qkv_proj.{kind}"
+        if module == "self_attn.q_proj":
+            return [(qkv, take(tensor, [q_rows], q_full), slice(0, q), False)]
+        if module == "self_attn.k_proj":
+            return [(qkv, take(tensor, [kv_rows], kv_full), slice(q, q + kv), False)]
+        if module == "self_attn.v_proj":
+            return [(qkv, take(tensor, [kv_rows], kv_full), slice(q + kv, q + 2 * kv), False)]
+        if module == "self_attn.qkv_proj":  # Phi-3: already fused q, k, v
+            pieces = [q_rows, _shift(kv_rows, q_full), _shift(kv_rows, q_full + kv_full)]
+            return [(qkv, take(tensor, pieces, q_full + 2 * kv_full), None, False)]
+        if module == "self_attn.o_proj":
+            if kind == "bias":
+                return [(f"{prefix}o_proj.bias", self.shard.row_bias(tensor), None, False)]
+            return [(f"{prefix}o_proj.weight", take(tensor, [q_rows], q_full, dim=1), None, False)]
+        return None
+
+    def _map_mlp(
+        self, layer: DecoderLayer, idx: int, module: str, kind: str, tensor: torch.Tensor
+    ) -> list[WeightTarget] | None:
         mlp = layer.mlp
-        if isinstance(mlp, GatedMLP):
-            inter = mlp.intermediate
-            mlp_rows = {
-                "mlp.gate_proj": ("gate_up_proj", slice(0, inter)),
-                "mlp.up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
-                "mlp.gate_up_proj": ("gate_up_proj", None),  # Phi-3: gate then up
-                "mlp.down_proj": ("down_proj", None),
-            }
-            if module in mlp_rows:
-                target, rows = mlp_rows[module]
-                return [(f"{prefix}mlp.{target}.{kind}", tensor, rows, False)]
+        if not isinstance(mlp, GatedMLP):
+            return self._map_moe(idx, module, kind, tensor)
+        target = {
+            "mlp.gate_proj": "gate",
+            "mlp.up_proj": "up",
+            "mlp.gate_up_proj": "gate_up",  # Phi-3: gate then up
+            "mlp.down_proj": "down",
+        }.get(module)
+        if target is None:
             return None
-        return self._map_moe(int(idx), module, kind, tensor)
+        return [self._gated_target(layer, f"layers.{idx}.mlp.", target, kind, tensor)]
+
+    def _gated_target(
+        self, layer: DecoderLayer, prefix: str, part: str, kind: str, tensor: torch.Tensor
+    ) -> WeightTarget:
+        """One gated-MLP checkpoint tensor (``part`` gate / up / gate_up / down) of this rank."""
+        rows, inter, full = layer.inter_rows, len(layer.inter_rows), self.spec.intermediate
+        if part == "down":
+            if kind == "bias":
+                return (f"{prefix}down_proj.bias", self.shard.row_bias(tensor), None, False)
+            return (f"{prefix}down_proj.weight", take(tensor, [rows], full, dim=1), None, False)
+        gate_up = f"{prefix}gate_up_proj.{kind}"
+        if part == "gate":
+            return (gate_up, take(tensor, [rows], full), slice(0, inter), False)
+        if part == "up":
+            return (gate_up, take(tensor, [rows], full), slice(inter, 2 * inter), False)
+        return (gate_up, take(tensor, [rows, _shift(rows, full)], 2 * full), None, False)
 
     _EXPERTS_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
@@ -285,8 +345,10 @@ class DecoderModel(RaggedModel):
         if m is None or not self.spec.num_experts:
             return None
         idx, proj = m.groups()
+        layer = self.layers[int(idx)]
+        part = "gate_up" if proj == "gate_up_proj" else "down"
         return [
-            (f"layers.{idx}.mlp.experts.{e}.{proj}.weight", tensor[e], None, False)
+            self._gated_target(layer, f"layers.{idx}.mlp.experts.{e}.", part, "weight", tensor[e])
             for e in range(tensor.shape[0])
         ]
 
@@ -301,14 +363,13 @@ class DecoderModel(RaggedModel):
         if m is None:
             return None
         e, w = m.groups()
-        inter = self.spec.intermediate
+        part = {"w1": "gate", "w3": "up", "w2": "down"}[w]
         prefix = f"layers.{idx}.mlp.experts.{e}."
-        target = {
-            "w1": ("gate_up_proj", slice(0, inter)),  # gate
-            "w3": ("gate_up_proj", slice(inter, 2 * inter)),  # up
-            "w2": ("down_proj", None),
-        }[w]
-        return [(f"{prefix}{target[0]}.{kind}", tensor, target[1], False)]
+        return [self._gated_target(self.layers[idx], prefix, part, kind, tensor)]
+
+
+def _shift(rows: range, offset: int) -> range:
+    return range(rows.start + offset, rows.stop + offset)
 
 
 def eos_list(value: Any) -> list[int]:

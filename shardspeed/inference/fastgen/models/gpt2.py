@@ -6,6 +6,10 @@ set the score scale per layer. ``reorder_and_upcast_attn`` only changes the
 precision of HF's scores (fp32), not the math: identical for fp32 weights; in
 half precision the engine's scores keep the attention backend's precision. :mod:`shardspeed_gpt` reuses :class:`GPTModel` with our
 own GPT's names and ``nn.Linear`` layout.
+
+Tensor parallel (a :class:`~.tp_shard.TensorShard`): ``c_attn`` and ``c_fc`` are
+column-parallel (this rank's heads of each of q, k, v; its rows of the MLP),
+``attn_proj`` and ``mlp_proj`` row-parallel, each followed by the all-reduce.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
 from shardspeed.inference.fastgen.models.config_check import Refusal, falsy, validate_config
 from shardspeed.inference.fastgen.models.layers import activation
 from shardspeed.inference.fastgen.models.registry import register_model
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
 
 if TYPE_CHECKING:
     from shardspeed.inference.fastgen.kv_cache import KVCache
@@ -46,26 +51,34 @@ class GPTShape:
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, s: GPTShape, layer_idx: int = 0):
+    """One pre-LayerNorm block; with a sharded ``shard``, this rank's heads and MLP rows."""
+
+    def __init__(self, s: GPTShape, layer_idx: int = 0, shard: TensorShard = NO_SHARD):
         super().__init__()
-        self.num_heads, self.head_dim = s.num_heads, s.hidden // s.num_heads
+        self.shard = shard
+        self.head_dim = s.hidden // s.num_heads
+        self.heads = shard.heads(s.num_heads, s.num_heads, "gpt2")
+        self.inner_rows = shard.split(s.inner, "n_inner", "gpt2")
+        self.num_heads = self.heads.num_heads
+        width = self.num_heads * self.head_dim  # this rank's share of hidden
         scale = self.head_dim**-0.5 if s.scale_attn_weights else 1.0
         if s.scale_attn_by_inverse_layer_idx:
             scale /= float(layer_idx + 1)
         self.scale = scale
         self.ln_1 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
-        self.c_attn = nn.Linear(s.hidden, 3 * s.hidden, bias=s.bias)
-        self.attn_proj = nn.Linear(s.hidden, s.hidden, bias=s.bias)
+        self.c_attn = nn.Linear(s.hidden, 3 * width, bias=s.bias)
+        self.attn_proj = nn.Linear(width, s.hidden, bias=s.bias)
         self.ln_2 = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
-        self.c_fc = nn.Linear(s.hidden, s.inner, bias=s.bias)
-        self.mlp_proj = nn.Linear(s.inner, s.hidden, bias=s.bias)
+        self.c_fc = nn.Linear(s.hidden, len(self.inner_rows), bias=s.bias)
+        self.mlp_proj = nn.Linear(len(self.inner_rows), s.hidden, bias=s.bias)
         self.act = activation(s.activation, "activation_function")
 
     def forward(
         self, x: torch.Tensor, batch: RaggedBatch, kv_cache: KVCache, layer: int
     ) -> torch.Tensor:
-        n, c = x.shape  # [N, hidden]
-        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=-1)  # each [N, hidden]
+        n = x.shape[0]  # x: [N, hidden]
+        c = self.num_heads * self.head_dim  # this rank's share of hidden
+        q, k, v = self.c_attn(self.ln_1(x)).split(c, dim=-1)  # each [N, c]
         shape = (n, self.num_heads, self.head_dim)
         o = paged_attention(
             q.view(shape),
@@ -77,8 +90,8 @@ class GPTBlock(nn.Module):
             batch.attn,
             scale=self.scale,
         )  # [N, H, D]
-        x = x + self.attn_proj(o.reshape(n, c))
-        return x + self.mlp_proj(self.act(self.c_fc(self.ln_2(x))))
+        x = x + self.shard.reduce(self.attn_proj(o.reshape(n, c)))  # [N, hidden]
+        return x + self.shard.reduce(self.mlp_proj(self.act(self.c_fc(self.ln_2(x)))))
 
 
 @register_model("gpt2")
@@ -87,19 +100,22 @@ class GPTModel(RaggedModel):
 
     conv1d_weights = True  # HF GPT-2 Conv1D stores [in, out]
     learned_positions = True
+    supports_tensor_parallel = True
 
-    def __init__(self, s: GPTShape, model_type: str = "gpt2"):
+    def __init__(self, s: GPTShape, model_type: str = "gpt2", shard: TensorShard = NO_SHARD):
         super().__init__()
+        self.shape = s
+        self.shard = shard
         self.model_type = model_type
         self.num_layers = s.num_layers
-        self.num_heads = self.num_kv_heads = s.num_heads
+        self.num_heads = self.num_kv_heads = s.num_heads // shard.world_size
         self.head_dim = s.hidden // s.num_heads
         self.vocab_size = s.vocab_size
         self.max_positions = s.max_positions
         self.eos_token_ids = list(s.eos_token_ids)
         self.wte = nn.Embedding(s.vocab_size, s.hidden)
         self.wpe = nn.Embedding(s.max_positions, s.hidden)
-        self.h = nn.ModuleList([GPTBlock(s, i) for i in range(s.num_layers)])
+        self.h = nn.ModuleList([GPTBlock(s, i, shard) for i in range(s.num_layers)])
         self.ln_f = nn.LayerNorm(s.hidden, eps=s.eps, bias=s.bias)
         self.tied = s.tied
         self.lm_head = nn.Linear(s.hidden, s.vocab_size, bias=False)
@@ -121,7 +137,7 @@ class GPTModel(RaggedModel):
         return cls.CONFIG_KEYS, [falsy("add_cross_attention", "cross-attention")]
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> GPTModel:
+    def from_config(cls, config: dict[str, Any], shard: TensorShard = NO_SHARD) -> GPTModel:
         validate_config("gpt2", config, *cls.config_fields("gpt2"))
         hidden = config["n_embd"]
         eos = config.get("eos_token_id")
@@ -140,7 +156,7 @@ class GPTModel(RaggedModel):
             scale_attn_weights=bool(config.get("scale_attn_weights", True)),
             scale_attn_by_inverse_layer_idx=bool(config.get("scale_attn_by_inverse_layer_idx")),
         )
-        return cls(shape)
+        return cls(shape, shard=shard)
 
     def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
         x = self.wte(batch.input_ids) + self.wpe(batch.positions)  # [N, hidden]
@@ -172,5 +188,29 @@ class GPTModel(RaggedModel):
             # causal-mask buffers of old GPT-2 checkpoints
             return [] if re.match(r"^h\.\d+\.attn\.(bias|masked_bias)$", name) else None
         idx, module, kind = m.groups()
-        transpose = self.conv1d_weights and kind == "weight" and not module.startswith("ln")
-        return [(f"h.{idx}.{self._RENAME[module]}.{kind}", tensor, None, transpose)]
+        target = f"h.{idx}.{self._RENAME[module]}.{kind}"
+        if module.startswith("ln"):
+            return [(target, tensor, None, False)]
+        if self.conv1d_weights and kind == "weight":
+            tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+        return [
+            (target, self._shard_projection(self.h[int(idx)], module, kind, tensor), None, False)
+        ]
+
+    def _shard_projection(
+        self, block: GPTBlock, module: str, kind: str, tensor: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's part of a projection (``tensor`` in ``nn.Linear`` layout)."""
+        hidden, inner = self.shape.hidden, self.shape.inner
+        if module in ("attn.c_proj", "mlp.c_proj"):  # row-parallel
+            if kind == "bias":
+                return self.shard.row_bias(tensor)
+            if module == "attn.c_proj":
+                return take(tensor, [head_rows(block.heads.q_heads, block.head_dim)], hidden, dim=1)
+            return take(tensor, [block.inner_rows], inner, dim=1)
+        if module == "mlp.c_fc":
+            return take(tensor, [block.inner_rows], inner)
+        rows = head_rows(block.heads.q_heads, block.head_dim)  # attn.c_attn: [q | k | v]
+        pieces = [rows, range(rows.start + hidden, rows.stop + hidden)]
+        pieces.append(range(rows.start + 2 * hidden, rows.stop + 2 * hidden))
+        return take(tensor, pieces, 3 * hidden)

@@ -7,6 +7,7 @@ from typing import Any
 from shardspeed.inference.fastgen.models.config_check import Refusal, validate_config
 from shardspeed.inference.fastgen.models.gpt2 import GPTModel, GPTShape
 from shardspeed.inference.fastgen.models.registry import register_model
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard
 
 
 @register_model("shardspeed_gpt")
@@ -20,7 +21,9 @@ class ShardSpeedGPTModel(GPTModel):
         return ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias"), []
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ShardSpeedGPTModel:
+    def from_config(
+        cls, config: dict[str, Any], shard: TensorShard = NO_SHARD
+    ) -> ShardSpeedGPTModel:
         validate_config("shardspeed_gpt", config, *cls.config_fields("shardspeed_gpt"))
         hidden = config["n_embd"]
         shape = GPTShape(
@@ -35,4 +38,4 @@ class ShardSpeedGPTModel(GPTModel):
             activation="gelu_tanh",
             eos_token_ids=[],
         )
-        return cls(shape, model_type="shardspeed_gpt")
+        return cls(shape, model_type="shardspeed_gpt", shard=shard)
