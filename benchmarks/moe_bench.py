@@ -1,10 +1,10 @@
 """MoE training step time: ShardSpeed vs DeepSpeed 0.19.8 at equal config on CPU/gloo.
 
 Model: a small GPT-ish MoE (vocab 256, ``--embd`` 64, ``--layers`` 2 blocks of causal
-self-attention + ``MoE(ep_size=2, num_experts=8, k=2)`` FFN, tied head), fp32, ZeRO stage
+self-attention + ``MoE(ep_size=--ep (2), num_experts=8, k=2)`` FFN, tied head), fp32, ZeRO stage
 ``--stage``, torch Adam over ``split_params_into_different_moe_groups_for_optimizer`` groups,
 gradient clipping 1.0, loss ``cross-entropy + 0.01 * sum(l_aux)``; tokens dropped at
-capacity factor 1.0, or none with ``--no-drop``. The same script runs on 2
+capacity factor 1.0, or none with ``--no-drop``. The same script runs on ``--ranks`` (2)
 ranks under ``torch.distributed.run`` with ``import deepspeed`` (``.venv-peers``) and with
 ``import shardspeed as deepspeed`` (same interpreter and torch build, ``PYTHONPATH`` = repo),
 same seeds and data.
@@ -53,7 +53,7 @@ VOCAB, SEQ, EXPERTS, TOP_K, EP = 256, 64, 8, 2, 2
 
 
 # ----------------------------------------------------------------------------- worker
-def _build_model(moe_class: Any, embd: int, layers: int, drop: bool) -> Any:
+def _build_model(moe_class: Any, embd: int, layers: int, drop: bool, ep: int) -> Any:
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -65,7 +65,7 @@ def _build_model(moe_class: Any, embd: int, layers: int, drop: bool) -> Any:
             self.qkv, self.proj = nn.Linear(embd, 3 * embd), nn.Linear(embd, embd)
             expert = nn.Sequential(nn.Linear(embd, 4 * embd), nn.GELU(), nn.Linear(4 * embd, embd))
             self.moe = moe_class(
-                embd, expert, num_experts=EXPERTS, ep_size=EP, k=TOP_K, drop_tokens=drop
+                embd, expert, num_experts=EXPERTS, ep_size=ep, k=TOP_K, drop_tokens=drop
             )
 
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     rank = torch.distributed.get_rank()
     timer = _AllToAllTimer()
     torch.manual_seed(1234)
-    model = _build_model(MoE, args.embd, args.layers, not args.no_drop)
+    model = _build_model(MoE, args.embd, args.layers, not args.no_drop, args.ep)
     groups = split_params_into_different_moe_groups_for_optimizer(
         {"name": "params", "params": list(model.parameters())}
     )
@@ -194,8 +194,9 @@ def worker(args: argparse.Namespace) -> None:
 
 # ----------------------------------------------------------------------------- parent
 def _run(framework: str, python: str, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [__file__, "--worker", framework, "--stage", str(args.stage), "--steps"]
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    cmd += [str(args.ranks), __file__, "--worker", framework, "--stage", str(args.stage)]
+    cmd += ["--ep", str(args.ep), "--steps"]
     cmd += [str(args.steps), "--warmup", str(args.warmup), "--embd", str(args.embd)]
     cmd += ["--layers", str(args.layers), "--micro", str(args.micro)]
     cmd += ["--no-drop"] if args.no_drop else []
@@ -215,10 +216,14 @@ def main() -> None:
     parser.add_argument("--embd", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=2, help="processes (2 cores: 4 oversubscribe)")
+    parser.add_argument("--ep", type=int, default=EP, help="expert-parallel size (divides ranks)")
     parser.add_argument(
         "--no-drop", action="store_true", help="drop_tokens=False (default: capacity 1.0, drop)"
     )
     args = parser.parse_args()
+    if args.ranks % args.ep or EXPERTS % args.ep:
+        parser.error(f"--ep {args.ep} must divide --ranks {args.ranks} and {EXPERTS} experts")
     if args.worker:
         worker(args)
         return
@@ -227,7 +232,7 @@ def main() -> None:
         sys.exit("DeepSpeed 0.19.8 (.venv-peers) is needed for the comparison: make bench-peers")
     print(f"machine: {machine_description()}; load average {os.getloadavg()}")
     print(
-        f"config: 2 ranks gloo, ep {EP}, {EXPERTS} experts top-{TOP_K}, embd {args.embd}, "
+        f"config: {args.ranks} ranks gloo, ep {args.ep}, {EXPERTS} experts top-{TOP_K}, embd {args.embd}, "
         f"{args.layers} layers, seq {SEQ}, micro {args.micro}, ZeRO {args.stage}, fp32, "
         f"{'no-drop' if args.no_drop else 'capacity_factor 1.0 (drop)'}, "
         f"{args.warmup} warm-up + {args.steps} timed steps, {args.rounds} rounds"

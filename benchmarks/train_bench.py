@@ -19,8 +19,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,34 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _bench_common import (  # noqa: E402
     REPO_ROOT,
-    child_env,
     default_python,
-    machine_description,
     peers_python,
     probe_python,
-    run_child,
-    torch_version,
+)
+from trainbench.launch import (  # noqa: E402
+    bench_header,
+    launch_child,
+    prewarm_deepspeed,
+    reprint_json,
+    run_interleaved,
+    workload_argv,
+    write_json,
 )
 from trainbench.report import print_report  # noqa: E402
 from trainbench.results import merge_rounds  # noqa: E402
-from trainbench.workload import PRESETS, add_workload_args  # noqa: E402
+from trainbench.workload import PRESETS, Workload, add_workload_args  # noqa: E402
 
 ENGINE_GROUPS = ("torch", "deepspeed", "shardspeed")
 SHARDSPEED_PROBE = "import shardspeed; shardspeed.initialize; print('ok')"
-# DeepSpeed JIT-compiles C++ ops on first use and caches them under ~/.cache/torch_extensions
-# (TORCH_EXTENSIONS_DIR). On CPU its comm backend builds "deepspeed_shm_comm" inside
-# deepspeed.initialize (~70-90 s on 2 cores), and FusedAdam is a C++ op too. Building them
-# once before the timed launches keeps compile time out of the rows' init time.
-DS_PREWARM = """
-import time
-from deepspeed.accelerator import get_accelerator
-start = time.perf_counter()
-for name in {names!r}:
-    builder = get_accelerator().create_op_builder(name)
-    if builder is not None and builder.is_compatible():
-        builder.load(verbose=False)
-print(f"{{time.perf_counter() - start:.1f}}")
-"""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -121,16 +110,6 @@ def plan_rows(engines: list[str], stages: list[int]) -> list[tuple[str, int]]:
     return rows
 
 
-def workload_argv(args: argparse.Namespace) -> list[str]:
-    """The workload flags, forwarded verbatim to every child."""
-    flags = ["n_layer", "n_embd", "n_head", "block_size", "vocab_size", "micro_batch"]
-    flags += ["dtype", "steps", "warmup", "seed", "data_seed", "ds_optimizer", "ds_extra"]
-    out: list[str] = []
-    for name in flags:
-        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return out
-
-
 def launch_row(
     args: argparse.Namespace, engine: str, stage: int, python: str, nproc: int
 ) -> dict[str, Any]:
@@ -139,13 +118,11 @@ def launch_row(
 
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [str(Path(__file__).resolve()), "--worker", "--engine", engine, "--stage", str(stage)]
-    cmd += ["--device", args.device, *workload_argv(args)]
+    cmd += ["--device", args.device, *workload_argv(Workload.from_args(args))]
     log = args.log_dir / f"{engine}_z{stage}.log"
-    code, results, tail = run_child(cmd, child_env(args.threads, args.device), args.timeout, log)
-    base = {"engine": engine, "stage": stage, "label": row_label(engine, stage), "log": str(log)}
-    if results:
-        return {**base, **results[-1]}
-    return {**base, "status": "error", "error": f"exit code {code}; log {log}\n{tail}"}
+    return launch_child(
+        cmd, args, log, {"engine": engine, "stage": stage, "label": row_label(engine, stage)}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,11 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(args)
     if args.from_json is not None:
-        saved = json.loads(args.from_json.read_text())
-        print_report(saved["header"], saved["results"], markdown=args.markdown)
-        return 0
-
-    from tqdm import tqdm
+        return reprint_json(args.from_json, print_report, args.markdown)
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINE_GROUPS]
@@ -184,44 +157,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardspeed: not available yet ({line})")
 
     if "deepspeed" in engines and "deepspeed" not in skip:
-        names = ["ShareMemCommBuilder"]
-        if args.ds_optimizer == "native":
-            names.append("FusedAdamBuilder")
-        print(f"building/loading DeepSpeed JIT ops {names} (cached after the first time) ...")
-        ok, line = probe_python(peers, DS_PREWARM.format(names=names), timeout=args.timeout)
-        print(f"  {'done in ' + line + ' s' if ok else 'FAILED: ' + line}")
+        prewarm_deepspeed(peers, args.ds_optimizer, args.timeout)
 
-    header = {
-        "date": _dt.date.today().isoformat(),
-        "loadavg_start": list(os.getloadavg()),
-        "machine": machine_description(),
-        "device": args.device,
-        "nproc": nproc,
-        "threads_per_rank": args.threads,
-        "rounds": args.rounds,
-        "command": " ".join([os.path.relpath(sys.executable, REPO_ROOT), *sys.argv]),
-        "torch_python": torch_python,
-        "peers_python": peers,
-        "torch_versions": sorted(
-            {torch_version(p) for p in {torch_python, peers} if p is not None}
-        ),
-    }
+    header = bench_header(args, nproc, torch_python, peers)
     rows = plan_rows(engines, stages)
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {row: [] for row in rows}
-    launches = [row for _ in range(args.rounds) for row in rows if row[0] not in skip]
-    for engine, stage in tqdm(launches, desc="train_bench", unit="launch", file=sys.stderr):
-        python = peers if engine == "deepspeed" else torch_python
-        runs[(engine, stage)].append(launch_row(args, engine, stage, python, nproc))
+
+    def launch(row: tuple[str, int]) -> dict[str, Any]:
+        python = peers if row[0] == "deepspeed" else torch_python
+        return launch_row(args, row[0], row[1], python, nproc)
+
+    ran = [row for row in rows if row[0] not in skip]
+    runs = run_interleaved(ran, args.rounds, launch, desc="train_bench")
     header["loadavg_end"] = list(os.getloadavg())
     results = [
-        merge_rounds(runs[row]) if runs[row] else _unavailable(*row, skip[row[0]]) for row in rows
+        merge_rounds(runs[row]) if runs.get(row) else _unavailable(*row, skip[row[0]])
+        for row in rows
     ]
 
     print_report(header, results, markdown=args.markdown)
     if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({"header": header, "results": results}, indent=2))
-        print(f"wrote {args.json_out}")
+        write_json(args.json_out, header, results)
     return 0 if all(r["status"] in ("ok", "unavailable") for r in results) else 1
 
 

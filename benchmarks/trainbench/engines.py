@@ -112,28 +112,42 @@ def build_fsdp2(
     return Runner(step, {"optimizer": type(opt).__name__})
 
 
-def _ds_api_runner(initialize: Callable[..., Any], model: nn.Module, config: dict) -> Runner:
-    """Drive an engine with DeepSpeed's API: ``engine(x, y)``, ``backward``, ``step``."""
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def gpt_loss(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss of ``shardspeed.models.GPT``: ``module(x, y)`` returns ``(logits, loss)``."""
+    return module(x, y)[1]
+
+
+def ds_api_runner(
+    initialize: Callable[..., Any], model: nn.Module, config: dict, loss_fn: LossFn = gpt_loss
+) -> Runner:
+    """Drive an engine with DeepSpeed's API: ``loss_fn(engine, x, y)``, ``backward``, ``step``."""
     engine, optimizer, _, _ = initialize(model=model, config=config)
     device = getattr(engine, "device", None)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if device is not None:
             x, y = x.to(device), y.to(device)
-        _, loss = engine(x, y)
+        loss = loss_fn(engine, x, y)
         engine.backward(loss)
         engine.step()
         return loss.detach()
 
     inner = getattr(optimizer, "optimizer", optimizer)
-    return Runner(
-        step,
-        {"optimizer": type(optimizer).__name__, "inner_optimizer": type(inner).__name__},
-    )
+    module = getattr(engine, "module", model)
+    info = {
+        "optimizer": type(optimizer).__name__,
+        "inner_optimizer": type(inner).__name__,
+        # elements this rank's module holds (a tensor-parallel shard; 0-size under ZeRO 3)
+        "module_numel": sum(p.numel() for p in module.parameters()),
+    }
+    return Runner(step, info)
 
 
-def build_deepspeed(model: nn.Module, workload: Workload, stage: int) -> Runner:
-    """DeepSpeed ZeRO ``stage`` from the shared ds_config."""
+def import_deepspeed() -> Any:
+    """The ``deepspeed`` module, or EngineUnavailable outside ``.venv-peers``."""
     try:
         import deepspeed
     except ImportError as exc:
@@ -141,7 +155,13 @@ def build_deepspeed(model: nn.Module, workload: Workload, stage: int) -> Runner:
             f"deepspeed is not importable ({exc}); run `make bench-peers` and use "
             ".venv-peers/bin/python"
         ) from exc
-    runner = _ds_api_runner(deepspeed.initialize, model, ds_config(workload, stage))
+    return deepspeed
+
+
+def build_deepspeed(model: nn.Module, workload: Workload, stage: int) -> Runner:
+    """DeepSpeed ZeRO ``stage`` from the shared ds_config."""
+    deepspeed = import_deepspeed()
+    runner = ds_api_runner(deepspeed.initialize, model, ds_config(workload, stage))
     runner.info["deepspeed"] = deepspeed.__version__
     return runner
 
@@ -159,7 +179,7 @@ def shardspeed_initialize() -> Callable[..., Any]:
 def build_shardspeed(model: nn.Module, workload: Workload, stage: int) -> Runner:
     """shardspeed ZeRO ``stage`` from the same ds_config DeepSpeed gets."""
     initialize = shardspeed_initialize()
-    return _ds_api_runner(initialize, model, ds_config(workload, stage))
+    return ds_api_runner(initialize, model, ds_config(workload, stage))
 
 
 def build_runner(

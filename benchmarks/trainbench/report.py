@@ -23,6 +23,12 @@ def _max(values: list[float] | None) -> float | None:
     return max(values) if values else None
 
 
+def timing_cells(r: dict[str, Any]) -> list[Any]:
+    """median / p90 / min ms, tokens/s, worst rank's peak and added memory of an ok row."""
+    times = [r["median_ms"], r["p90_ms"], r["min_ms"], round(r["tokens_per_s"])]
+    return times + [_max(r["peak_mem_mb_per_rank"]), _max(r["peak_mem_delta_mb_per_rank"])]
+
+
 def results_table(results: list[dict[str, Any]], markdown: bool) -> str:
     """One row per launch: step time, throughput, memory, init time, losses."""
     ok = _ok(results)
@@ -39,12 +45,7 @@ def results_table(results: list[dict[str, Any]], markdown: bool) -> str:
             [
                 r["label"],
                 r["stage"],
-                r["median_ms"],
-                r["p90_ms"],
-                r["min_ms"],
-                round(r["tokens_per_s"]),
-                _max(r["peak_mem_mb_per_rank"]),
-                _max(r["peak_mem_delta_mb_per_rank"]),
+                *timing_cells(r),
                 r["init_s"],
                 f"{r['loss_step1']:.5f}",
                 f"{r['loss_final']:.5f}",
@@ -125,9 +126,8 @@ def loss_check(results: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown: bool) -> None:
-    """Print the header, the results table, the ratio table, the loss check and failures."""
-    wl = next((r["workload"] for r in results if "workload" in r), None)
+def print_run_header(header: dict[str, Any]) -> None:
+    """Date, machine, ranks, threads, torch builds, rounds and the load average of a run."""
     print()
     print(f"date {header['date']} | {header['machine']} | device {header['device']}")
     print(
@@ -137,6 +137,31 @@ def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown
     load = header.get("loadavg_start"), header.get("loadavg_end")
     if all(load):
         print(f"1-min load average: {load[0][0]:.2f} at start, {load[1][0]:.2f} at end")
+    if len(header["torch_versions"]) > 1:
+        print("WARNING: rows ran on different torch builds; compare with care.")
+
+
+def print_ratios(ratios: str) -> None:
+    """A ratio table under its legend (nothing when it has no rows)."""
+    if len(ratios.splitlines()) > 2:
+        print()
+        print("ratios (time and memory: < 1 means the numerator is faster / smaller)")
+        print(ratios)
+
+
+def print_failures(results: list[dict[str, Any]]) -> None:
+    """Why each row that is not ok is missing or failed."""
+    for r in results:
+        if r.get("status") == "unavailable":
+            print(f"{r['label']}: {r.get('error', 'not available yet')}")
+        elif r.get("status") != "ok":
+            print(f"\n{r['label']} FAILED: {r.get('error', '')}")
+
+
+def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown: bool) -> None:
+    """Print the header, the results table, the ratio table, the loss check and failures."""
+    wl = next((r["workload"] for r in results if "workload" in r), None)
+    print_run_header(header)
     if wl is not None:
         print(
             f"GPT n_layer={wl['n_layer']} n_embd={wl['n_embd']} n_head={wl['n_head']} "
@@ -144,15 +169,9 @@ def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown
             f"{wl['dtype']} | warmup {wl['warmup']} + {wl['steps']} timed steps "
             f"| DeepSpeed optimizer: {wl['ds_optimizer']}"
         )
-    if len(header["torch_versions"]) > 1:
-        print("WARNING: rows ran on different torch builds; compare with care.")
     print()
     print(results_table(results, markdown))
-    ratios = ratio_table(results, markdown)
-    if len(ratios.splitlines()) > 2:
-        print()
-        print("ratios (time and memory: < 1 means the numerator is faster / smaller)")
-        print(ratios)
+    print_ratios(ratio_table(results, markdown))
     check = loss_check(results)
     if check:
         print()
@@ -161,8 +180,4 @@ def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown
             f"(identical workloads: expect ~1e-6 fp32), at the end = "
             f"{check['max_diff_final']:.2e}, over all steps = {check['max_diff_any_step']:.2e}"
         )
-    for r in results:
-        if r.get("status") == "unavailable":
-            print(f"{r['label']}: {r.get('error', 'not available yet')}")
-        elif r.get("status") != "ok":
-            print(f"\n{r['label']} FAILED: {r.get('error', '')}")
+    print_failures(results)

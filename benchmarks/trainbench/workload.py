@@ -82,16 +82,21 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """Model-size, batch and step flags shared by the parent and its children."""
-    d = Workload()
+def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload | None = None) -> None:
+    """Model-size, batch and step flags shared by the parent and its children.
+
+    ``defaults`` supplies the flag defaults; without it they are the GPT workload's and
+    ``--preset`` (named GPT sizes) is offered too.
+    """
+    d = defaults if defaults is not None else Workload()
     g = parser.add_argument_group("workload")
-    g.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default=None,
-        help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, micro 4)",
-    )
+    if defaults is None:
+        g.add_argument(
+            "--preset",
+            choices=sorted(PRESETS),
+            default=None,
+            help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, micro 4)",
+        )
     g.add_argument("--n-layer", type=int, default=d.n_layer)
     g.add_argument("--n-embd", type=int, default=d.n_embd)
     g.add_argument("--n-head", type=int, default=d.n_head)
