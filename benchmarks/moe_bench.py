@@ -196,7 +196,7 @@ def worker(args: argparse.Namespace) -> None:
 def _run(framework: str, python: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     cmd += [str(args.ranks), __file__, "--worker", framework, "--stage", str(args.stage)]
-    cmd += ["--ep", str(args.ep), "--steps"]
+    cmd += ["--ep", str(args.ep), "--ranks", str(args.ranks), "--steps"]
     cmd += [str(args.steps), "--warmup", str(args.warmup), "--embd", str(args.embd)]
     cmd += ["--layers", str(args.layers), "--micro", str(args.micro)]
     cmd += ["--no-drop"] if args.no_drop else []
