@@ -12,7 +12,8 @@ entry keeps the full shape and, under ``"tp"``, the split and every shard's piec
 Loading at the same split reads a rank's own shard directly; at any other split (another
 tp, or no tensor parallelism, or a checkpoint saved without it) the full tensor is
 assembled from every shard along the split dim and re-sliced for the new layout, one
-parameter and kind at a time.
+parameter and kind at a time. A zero-width shard (AutoTP with fewer KV heads than tensor
+ranks) has no elements, so nothing is stored for it; its width 0 in ``widths`` stands in.
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def read_full(reader: Any, entry: dict[str, Any], kind: str, name: str) -> torch
     dtype = reader.dtype(entry)
     shards = []
     for rank, shard in enumerate(tp["shards"]):
+        if layout.shard_size(rank) == 0:  # fewer KV heads than ranks: nothing stored, width 0
+            empty_shape = list(entry["shape"])
+            empty_shape[layout.dim] = 0
+            shards.append(torch.empty(empty_shape, dtype=dtype))
+            continue
         if shard["shape"] is None or kind not in shard["kinds"]:
             raise ValueError(
                 f"checkpoint lacks tensor rank {rank}'s shard of {name!r} ({kind}); the save is "

@@ -104,7 +104,9 @@ class GradNorm:
         means = [g for _, groups in parts for g in groups if isinstance(g, RankNormMean)]
         flagged = [any(isinstance(g, OverflowOnly) for g in gs) for _, gs in parts]
         parts = [(sq, _plain_groups(gs)) for sq, gs in parts]
-        vec = self._sum_over_groups(parts)  # (num_parts,)
+        # parts summed over different groups can leave ranks one ulp apart (see _agree)
+        mixed = len({tuple(id(g) for g in gs) for _, gs in parts}) > 1
+        vec, groups = self._sum_over_groups(parts)  # (num_parts,)
         total = vec.sum()
         if any(flagged):
             keep = torch.tensor([not f for f in flagged], device=vec.device)
@@ -113,22 +115,27 @@ class GradNorm:
         if self.divide != 1.0:
             total = total / self.divide
         if means:
-            return self._mean_of_rank_norms(total, means[0])
-        return float(total.clamp_min(0).sqrt()) if torch.isfinite(total) else float(total)
+            norm = self._mean_of_rank_norms(total, means[0])
+            groups = [*groups, means[0].group]
+        else:
+            norm = total.clamp_min(0).sqrt() if torch.isfinite(total) else total
+        return float(_agree(norm.reshape(1), groups)[0] if mixed else norm)
 
     @staticmethod
-    def _mean_of_rank_norms(total: torch.Tensor, mean: RankNormMean) -> float:
+    def _mean_of_rank_norms(total: torch.Tensor, mean: RankNormMean) -> torch.Tensor:
         """This rank's norm ``sqrt(total)``, averaged over ``mean.group`` (a non-finite
         norm on any rank makes the mean non-finite, so every rank sees the overflow)."""
         norm = total.clamp_min(0).sqrt() if torch.isfinite(total) else total
         norm = (norm / mean.size).reshape(1)
         comm.all_reduce(norm, group=mean.group)
-        return float(norm[0])
+        return norm[0]
 
     @staticmethod
-    def _sum_over_groups(parts: list[tuple[torch.Tensor, Sequence[Any]]]) -> torch.Tensor:
+    def _sum_over_groups(
+        parts: list[tuple[torch.Tensor, Sequence[Any]]],
+    ) -> tuple[torch.Tensor, list[Any]]:
         """All-reduce each part over its groups (one collective per distinct group); the
-        parts' reduced squares, ``(num_parts,)``."""
+        parts' reduced squares, ``(num_parts,)``, and the groups in the order used."""
         vec = torch.stack([sq for sq, _ in parts])  # (num_parts,)
         order: list[Any] = []
         for _, groups in parts:
@@ -141,7 +148,19 @@ class GradNorm:
                 sub = vec[members].clone()
                 comm.all_reduce(sub, group=group)
                 vec[members] = sub
-        return vec
+        return vec, order
+
+
+def _agree(norm: torch.Tensor, groups: Sequence[Any]) -> torch.Tensor:
+    """Make every rank hold the same norm bit for bit. When the parts are summed over
+    different groups, a part is formed per rank (the uncounted rest by subtraction, so its
+    rounding depends on this rank's other slices) and is equal only within its own group:
+    ranks can end one ulp apart, and ranks that clip replicated parameters with different
+    factors drift apart. The max over the same groups, in the same order, is exact and
+    reaches every rank of the mesh."""
+    for group in groups:
+        comm.all_reduce(norm, op=comm.ReduceOp.MAX, group=group)
+    return norm
 
 
 def _plain_groups(groups: Sequence[Any]) -> list[Any]:

@@ -10,7 +10,8 @@
   AutoTP training (checked too).
 * Parity with the unsharded model in one process (forward, loss, full gradients at fp32
   1e-5) and ``state.py`` round trips: every oracle case at tp=2 (GPT-2 included), and Llama,
-  tied Llama and GPT-2 at tp=4, with the refusal of a tensor size above the KV-head count.
+  tied Llama and GPT-2 at tp=4, and Llama with 2 KV heads at tp=4 (zero-width attention
+  shards on ranks 2-3, as DeepSpeed), with the refusal of an empty vocabulary shard.
 """
 
 from __future__ import annotations
@@ -157,10 +158,18 @@ def _parity_body_tp4() -> list[str]:
         "llama", dict(LLAMA, num_key_value_heads=4, tie_word_embeddings=True), 4
     )
     _check_against_unsharded("gpt2", dict(ORACLE_CASES["gpt2"][1], n_layer=1), 4)
-    with pytest.raises(ValueError, match="KV heads"):  # 2 KV heads cannot feed 4 ranks
-        tp_model_init(build("llama", LLAMA), 4, torch.float32)
+    # 2 KV heads over 4 ranks: ranks 2-3 hold zero-width q/k/v/o shards, as in DeepSpeed
+    sharded = _check_against_unsharded("llama", LLAMA, 4)["model"]
+    attn = sharded.model.layers[0].self_attn
+    rank = torch.distributed.get_rank()
+    assert attn.q_proj.weight.shape[0] == (16 if rank < 2 else 0), attn.q_proj.weight.shape
+    assert attn.o_proj.weight.shape[1] == (16 if rank < 2 else 0), attn.o_proj.weight.shape
+    # DeepSpeed refuses a vocabulary-parallel head with an empty vocabulary shard; so do we
+    tiny_vocab = dict(LLAMA, num_key_value_heads=4, vocab_size=3, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="fewer than tp_size=4"):
+        tp_model_init(build("llama", tiny_vocab), 4, torch.float32)
     _check_partition_config(4)
-    return ["llama", "llama_tied", "gpt2", "refused", "partition_config"]
+    return ["llama", "llama_tied", "gpt2", "llama_zero_width", "refused", "partition_config"]
 
 
 def _check_partition_config(tp: int) -> None:
@@ -196,7 +205,7 @@ def _check_partition_config(tp: int) -> None:
 def test_autotp_tp4_matches_unsharded_model() -> None:
     """tp=4 (tp=2 parity runs inside the oracle test, on DeepSpeed's initial weights)."""
     results = run_distributed(_parity_body_tp4, 4, timeout=150)
-    assert all(r == results[0] for r in results) and len(results[0]) == 5
+    assert all(r == results[0] for r in results) and len(results[0]) == 6
 
 
 # ----------------------------------------------------------------- DeepSpeed oracle

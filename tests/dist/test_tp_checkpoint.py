@@ -191,6 +191,11 @@ def _run_matrix(tmp_path: Path, kind: str, pairs: list[tuple[Layout, Layout]]) -
 
     ref_losses, ref_state = _reference(kind)
     tol = {"rtol": 1e-5, "atol": 1e-6}
+    for a in sources:  # the saving runs themselves train the one-process math
+        for step, per_micro in enumerate(results[a]):
+            for micro, value in per_micro.items():
+                msg = f"{kind} {_name(a)} (before saving) step {step}"
+                assert_close_rel(value, ref_losses[step][micro], **tol, msg=msg)
     for a, b in pairs:
         label = f"{kind} {_name(a)} -> {_name(b)}"
         resave = tmp_path / f"{kind}-{_name(a)}-to-{_name(b)}"

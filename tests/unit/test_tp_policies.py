@@ -93,6 +93,13 @@ def test_autotp_split_follows_deepspeed(
     assert autotp_split(total, 2, num_kv_heads=kv, head_aligned=aligned) == expected
 
 
+def test_autotp_split_gives_zero_width_shards_like_deepspeed() -> None:
+    """Fewer KV heads than ranks: whole KV groups to the first ranks, nothing to the rest
+    (DeepSpeed 0.19.8 trains such a layout; tests/dist/test_autotp_zero_width.py)."""
+    assert autotp_split(32, 4, num_kv_heads=2, head_aligned=True) == (16, 16, 0, 0)
+    assert autotp_split(32, 4, num_kv_heads=2, head_aligned=False) == (8, 8, 8, 8)
+
+
 @pytest.mark.parametrize(
     ("name", "aligned"),
     [

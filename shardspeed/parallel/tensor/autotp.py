@@ -7,7 +7,8 @@
               and the model's loss_function becomes the vocabulary-parallel loss
     layers:   each nn.Linear / Conv1D the policy names -> ColumnParallelLinear or
               RowParallelLinear, sliced from the full weight (widths: KV-head groups for
-              attention, near-even for the rest, as DeepSpeed AutoTP)
+              attention, near-even for the rest, as DeepSpeed AutoTP; with fewer KV heads
+              than ranks the spare ranks get zero-width attention shards, as DeepSpeed's)
     fixups:   attention attributes that count heads become rank-local (GPT-2 split_size)
     sync:     replicated parameters are broadcast from tensor rank 0 (they must be equal)
     dtype:    model.to(dtype)
@@ -20,6 +21,7 @@ Call it before building the optimizer: sharded parameters are new ``nn.Parameter
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -125,6 +127,7 @@ def shard_model(
     model_type = model_type_of(model)
     modules = dict(model.named_modules())
     done: dict[str, str] = {}
+    empty: list[str] = []  # layers some ranks hold none of (fewer KV heads than ranks)
 
     head = _shard_head(model, modules, policy, group, vocab_parallel_lm_head, done)
     for name, module in modules.items():
@@ -137,6 +140,8 @@ def shard_model(
             log_dist(f"AutoTP: {name}.weight is shared with another module; left replicated.")
             continue
         layout = _layout(module, rule, name, tp_size, num_kv_heads)
+        if min(layout.shard_sizes) == 0:
+            empty.append(f"{name} {list(layout.shard_sizes)}")
         if rule.style == "column":
             new = ColumnParallelLinear.from_module(
                 module, layout, group=group, gather_output=rule.gather_output
@@ -146,6 +151,13 @@ def shard_model(
         _replace(model, name, new)
         done[name] = rule.style
 
+    if empty:
+        # as DeepSpeed: a width-0 rank adds zeros to the row-parallel sum, so results are exact
+        log_dist(
+            f"AutoTP: {len(empty)} layers have zero-width shards on some of the {tp_size} tensor "
+            f"ranks (num_kv_heads={num_kv_heads}); those ranks hold none of them, e.g. {empty[0]}.",
+            level=logging.WARNING,
+        )
     for module in model.modules():
         for fixup in policy.fixups:
             fixup(module)
@@ -178,13 +190,6 @@ def _layout(
         for size in rule.split_sizes(total, name)
     ]
     layout = ShardLayout.fused(dim, widths)
-    if min(layout.shard_sizes) == 0:
-        raise ValueError(
-            f"AutoTP: {name} has {total} {'output' if dim == 0 else 'input'} features split as "
-            f"{list(layout.shard_sizes)} over {tp_size} ranks, so some ranks would hold nothing "
-            f"(e.g. fewer KV heads ({num_kv}) than tensor ranks); use a tensor-parallel size of "
-            "at most the number of KV heads."
-        )
     return layout
 
 
@@ -220,6 +225,12 @@ def _shard_head(
     layout = ShardLayout.of(
         0, autotp_split(head.out_features, tp_size, num_kv_heads=None, head_aligned=False)
     )
+    if min(layout.shard_sizes) == 0:  # DeepSpeed refuses this too
+        raise ValueError(
+            f"vocab_parallel_lm_head: {head_name} has {head.out_features} vocabulary rows, fewer "
+            f"than tp_size={tp_size}, so some ranks would hold no vocabulary shard; use a "
+            "vocabulary of at least tp_size rows or vocab_parallel_lm_head=False."
+        )
     loss = VocabParallelCausalLMLoss(
         group, layout.ranges(comm.get_rank(group))[0][0], head.out_features
     )
