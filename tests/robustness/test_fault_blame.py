@@ -22,7 +22,9 @@ import pytest
 
 from shardspeed.comm.blame import Verdict, summarize, verdict
 
-COMM_TIMEOUT_S = 4
+# The comm timeout also bounds the rendezvous in init_process_group: 4 ranks starting torch on
+# 2 busy cores can arrive more than 4 s apart (seen in CI), so it is 8 s, not shorter.
+COMM_TIMEOUT_S = 8
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -111,7 +113,7 @@ def test_launcher_summary_names_the_faulty_rank(
 ) -> None:
     output, after_fault_s, total_s = _launch(tmp_path, nproc, fault, bad)
     assert after_fault_s < COMM_TIMEOUT_S + 15, (after_fault_s, output)
-    assert total_s < 40, (total_s, output)
+    assert total_s < COMM_TIMEOUT_S + 40, (total_s, output)
     lines = [line for line in output.splitlines() if line.startswith("shardspeed: job failed")]
     assert len(lines) == 1, output
     found = re.search(r"job failed \(exit status \d+\): (?:rank (\d+))", lines[0])

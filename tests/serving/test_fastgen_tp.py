@@ -33,6 +33,7 @@ from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, ScheduledSequence
 from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError
+from shardspeed.inference.quantization import WeightQuantConfig
 from shardspeed.inference.serving.pipeline import pipeline
 
 VOCAB = 128
@@ -173,22 +174,39 @@ FAMILIES = {
     "mixtral": lambda: _hf_model("MixtralConfig", num_local_experts=4, num_experts_per_tok=2),
     "gpt2": _gpt2,
     "shardspeed_gpt": _shardspeed_gpt,
+    "gpt_neox_parallel": lambda: _hf_model(
+        "GPTNeoXConfig",
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25},
+    ),  # fmt: skip
+    "gpt_neox_sequential": lambda: _hf_model(
+        "GPTNeoXConfig", use_parallel_residual=False, attention_bias=False
+    ),
+    "opt_pre_norm": lambda: _hf_model("OPTConfig", ffn_dim=96),
+    "opt_post_norm_projected": lambda: _hf_model(
+        "OPTConfig", ffn_dim=96, do_layer_norm_before=False, word_embed_proj_dim=32
+    ),
+    "falcon_multi_query": lambda: _hf_model("FalconConfig", bias=True, ffn_hidden_size=96),
+    "falcon_new_arch_gqa": lambda: _hf_model(
+        "FalconConfig", new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=96
+    ),
+    "falcon_new_arch_one_kv_head": lambda: _hf_model(
+        "FalconConfig", new_decoder_architecture=True, num_kv_heads=1, ffn_hidden_size=96
+    ),
+    "falcon_sequential_mha": lambda: _hf_model(
+        "FalconConfig", multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=96
+    ),
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_sharded_ranks_sum_to_the_full_model(family: str) -> None:
-    hf = FAMILIES[family]()
-    cpu, tp = torch.device("cpu"), 2
-    full, _ = build_model(hf, None, cpu)
-    steps = _steps(_prompts(3, (9,))[0], 5)
-    want = _logits_of(full, steps)
-    group = _ThreadGroup(tp)
+def _ranks_logits(
+    source: Any, steps: list[ScheduledSequence], quantization: Any = None, tp: int = 2
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """Rank 0's logits of ``steps`` with ``tp`` in-process ranks (threads), and the ranks."""
+    cpu, group = torch.device("cpu"), _ThreadGroup(tp)
     ranks = [
-        build_model(hf, None, cpu, shard=TensorShard(r, tp, group.all_reduce_for(r)))[0]
+        build_model(source, None, cpu, quantization, TensorShard(r, tp, group.all_reduce_for(r)))[0]
         for r in range(tp)
     ]
-    assert ranks[1].num_kv_heads == max(1, full.num_kv_heads // tp)
     got: list[list[torch.Tensor]] = [[] for _ in range(tp)]
     threads = [
         threading.Thread(target=lambda r=r: got[r].extend(_logits_of(ranks[r], steps)))
@@ -198,39 +216,42 @@ def test_sharded_ranks_sum_to_the_full_model(family: str) -> None:
         t.start()
     for t in threads:
         t.join(60)
-    for w, g in zip(want, got[0], strict=True):
+    return got[0], ranks
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_sharded_ranks_sum_to_the_full_model(family: str) -> None:
+    hf = FAMILIES[family]()
+    full, _ = build_model(hf, None, torch.device("cpu"))
+    steps = _steps(_prompts(3, (9,))[0], 5)
+    want = _logits_of(full, steps)
+    got, ranks = _ranks_logits(hf, steps)
+    assert ranks[1].num_kv_heads == max(1, full.num_kv_heads // 2)
+    for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------- bad inputs
-def test_bad_tensor_parallel_options_fail_before_any_worker_starts() -> None:
+def test_bad_tensor_parallel_options_fail_before_any_worker_starts(monkeypatch) -> None:
     llama = _hf_model("LlamaConfig")
     with pytest.raises(ValueError, match="tensor_parallel=3 cannot split .* in \\[1, 2, 4\\]"):
         InferenceEngine.from_pretrained(llama, tensor_parallel=3, **ENGINE)
     with pytest.raises(ValueError, match="compile_decode=True with tensor_parallel=2"):
         InferenceEngine.from_pretrained(llama, tensor_parallel=2, compile_decode=True, **ENGINE)
-    with pytest.raises(ValueError, match="quantization with tensor_parallel=2"):
-        InferenceEngine.from_pretrained(llama, tensor_parallel=2, quantization="int8", **ENGINE)
+    with pytest.raises(ValueError, match="group_size=64 with tensor_parallel=2: layer "
+                       "'layers.0.o_proj' holds 32 input columns per rank"):  # fmt: skip
+        InferenceEngine.from_pretrained(llama, tensor_parallel=2, quantization="int4-g64", **ENGINE)
     with pytest.raises(ValueError, match="must be an int >= 1"):
         InferenceEngine.from_pretrained(llama, tensor_parallel=0, **ENGINE)
     ragged, _ = build_model(llama, None, torch.device("cpu"))
     with pytest.raises(ValueError, match="already-built LlamaModel"):
         InferenceEngine.from_pretrained(ragged, tensor_parallel=2, **ENGINE)
-    import transformers
+    from shardspeed.inference.fastgen.models.opt import OPTModel
 
-    opt = transformers.OPTForCausalLM(
-        transformers.OPTConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=1,
-            ffn_dim=64,
-            num_attention_heads=2,
-            word_embed_proj_dim=32,
-            max_position_embeddings=64,
-        )  # fmt: skip
-    )
-    with pytest.raises(ValueError, match="model_type='opt' .* does not support tensor paral"):
-        InferenceEngine.from_pretrained(opt, tensor_parallel=2, **ENGINE)
+    with monkeypatch.context() as patch:  # every built-in family shards: pretend one does not
+        patch.setattr(OPTModel, "supports_tensor_parallel", False)
+        with pytest.raises(ValueError, match="model_type='opt' .* does not support tensor paral"):
+            InferenceEngine.from_pretrained(FAMILIES["opt_pre_norm"](), tensor_parallel=2, **ENGINE)
 
 
 # --------------------------------------------------------- spawned gloo workers
@@ -281,6 +302,20 @@ def test_llama_gqa_from_directory_tp2_is_token_identical(tmp_path) -> None:
     assert all(_gone(pid) for pid in pids)
 
 
+@pytest.mark.parametrize(
+    "family",
+    [
+        "falcon_new_arch_gqa",
+        pytest.param("gpt_neox_parallel", marks=pytest.mark.slow),
+        pytest.param("opt_post_norm_projected", marks=pytest.mark.slow),
+    ],
+)
+def test_layernorm_families_tp2_are_token_identical(family: str) -> None:
+    """GPT-NeoX / OPT / Falcon (fused QKV layouts, parallel residual, post-norm)."""
+    pipe = _assert_tp2_matches_tp1(FAMILIES[family](), _prompts(9))
+    pipe.shutdown()
+
+
 @pytest.mark.slow  # ~10 s; the in-process family test covers the replicated KV head
 def test_qwen2_replicated_kv_head_tp2_is_token_identical() -> None:
     model = _hf_model("Qwen2Config", num_key_value_heads=1)
@@ -323,3 +358,114 @@ def test_async_engine_shutdown_stops_workers_at_once() -> None:
     async_engine.shutdown()  # no pipe.shutdown() / garbage collection needed
     assert all(_gone(pid) for pid in pids)
     async_engine.shutdown()  # idempotent
+
+
+# ---------------------------------------------------------- quantized weights
+QUANT_LLAMA = dict(hidden_size=128, intermediate_size=256)  # per rank: 64 / 128 input columns
+
+
+def _quantized_layers(model: Any) -> dict[str, Any]:
+    from shardspeed.inference.quantization import QuantizedLinear
+
+    return {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+@pytest.mark.parametrize(("bits", "group_size"), [(8, None), (8, 16), (4, 32)])
+def test_slice_quantized_equals_slicing_the_dequantized_weight(bits, group_size) -> None:
+    from shardspeed.inference.quantization.qtensor import (
+        dequantize_weight,
+        quantize_weight,
+        slice_quantized,
+    )
+
+    w = torch.randn(12, 128, generator=torch.Generator().manual_seed(0))
+    qw = quantize_weight(w, bits, group_size, symmetric=False)
+    whole = dequantize_weight(qw)
+    pieces = [range(32, 64), range(96, 128)]
+    cols = slice_quantized(qw, pieces, dim=1)
+    assert torch.equal(dequantize_weight(cols), torch.cat([whole[:, 32:64], whole[:, 96:]], 1))
+    rows = slice_quantized(qw, [range(2, 5), range(9, 12)], dim=0)
+    assert torch.equal(dequantize_weight(rows), torch.cat([whole[2:5], whole[9:12]]))
+    if group_size is not None:
+        with pytest.raises(ValueError, match="every cut must be a multiple of the group size"):
+            slice_quantized(qw, [range(8, 40)], dim=1, name="layers.0.o_proj")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8-asym", "int4-g32", "int4-g64-asym"])
+def test_quantized_ranks_hold_slices_of_the_tp1_quantization(scheme: str) -> None:
+    """Every quantized layer of each rank dequantizes to exactly its slice of tp=1's."""
+    config = WeightQuantConfig.parse(scheme).with_overrides(kernel="reference")
+    hf = _hf_model("LlamaConfig", **QUANT_LLAMA)
+    cpu, tp = torch.device("cpu"), 2
+    full = _quantized_layers(build_model(hf, None, cpu, config)[0])
+    for r in range(tp):
+        shard = TensorShard(r, tp, all_reduce=lambda x: x)
+        ranks = _quantized_layers(build_model(hf, None, cpu, config, shard)[0])
+        assert ranks.keys() == full.keys()
+        for name, layer in ranks.items():
+            whole = full[name].dequantized_weight()  # (N, K)
+            n, k = layer.out_features, layer.in_features
+            row_parallel = name.endswith(("o_proj", "down_proj"))
+            if row_parallel:
+                want = whole[:, r * k : (r + 1) * k]
+            elif name.endswith("gate_up_proj"):  # [gate rows of r | up rows of r]
+                half = whole.shape[0] // 2
+                gate, up = whole[:half], whole[half:]
+                want = torch.cat(
+                    [gate[r * n // 2 : (r + 1) * n // 2], up[r * n // 2 : (r + 1) * n // 2]]
+                )
+            else:  # qkv_proj: [q heads of r | kv heads of r | kv heads of r]
+                q, kv = 2 * 32, 32  # per rank: 2 of 4 q heads, 1 of 2 kv heads (head_dim 32)
+                parts = whole.split([2 * q, 2 * kv, 2 * kv])
+                want = torch.cat(
+                    [parts[0][r * q : (r + 1) * q]] + [p[r * kv : (r + 1) * kv] for p in parts[1:]]
+                )
+            assert torch.equal(layer.dequantized_weight(), want), (scheme, r, name)
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", "gpt2", "gpt_neox_parallel", "opt_post_norm_projected", "falcon_new_arch_gqa"],
+)
+def test_int8_quantized_ranks_sum_to_the_quantized_full_model(family: str) -> None:
+    """Per-channel int8 (scales over whole rows) on every layer kind of the other families."""
+    quant = WeightQuantConfig(bits=8, kernel="reference", compute_dtype="float32")
+    hf = FAMILIES[family]()
+    steps = _steps(_prompts(3, (9,))[0], 5)
+    want = _logits_of(build_model(hf, None, torch.device("cpu"), quant)[0], steps)
+    got, ranks = _ranks_logits(hf, steps, quant)
+    assert len(_quantized_layers(ranks[0])) == len(_quantized_layers(ranks[1])) > 0
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_quantized_ranks_with_bf16_compute_agree_to_bf16_rounding(scheme: str) -> None:
+    """The torch kernels' default bf16 compute rounds each rank's partial output: tp=2
+    then differs from tp=1 by no more than bf16 compute differs from fp32 (times 2)."""
+    quant = WeightQuantConfig.parse(scheme)
+    hf = _hf_model("LlamaConfig", **QUANT_LLAMA)
+    cpu, steps = torch.device("cpu"), _steps(_prompts(3, (9,))[0], 5)
+    want = torch.cat(_logits_of(build_model(hf, None, cpu, quant)[0], steps))
+    fp32 = quant.with_overrides(compute_dtype="float32")
+    bf16_error = (want - torch.cat(_logits_of(build_model(hf, None, cpu, fp32)[0], steps))).abs()
+    got = torch.cat(_ranks_logits(hf, steps, quant)[0])
+    assert (got - want).abs().max() <= 2 * bf16_error.max()
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kernel"),
+    [
+        ("int8", "reference"),
+        pytest.param("int4-g32", "reference", marks=pytest.mark.slow),
+        pytest.param("int4-g64-asym", "auto", marks=pytest.mark.slow),  # torch's int4 kernel
+    ],
+)
+def test_quantized_llama_gqa_tp2_is_token_identical(scheme: str, kernel: str) -> None:
+    """Same integers and scales as tp=1 (test above); fp32 compute, so the ranks' partial
+    sums are not rounded to bf16 (the default bf16 compute agrees to bf16 rounding only:
+    logits within ~1e-2, which can flip a near-tie)."""
+    quant = WeightQuantConfig.parse(scheme).with_overrides(compute_dtype="float32", kernel=kernel)
+    model = _hf_model("LlamaConfig", **QUANT_LLAMA)
+    pipe = _assert_tp2_matches_tp1(model, _prompts(8), quantization=quant)
+    pipe.shutdown()

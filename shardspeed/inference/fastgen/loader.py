@@ -13,7 +13,9 @@ The weights are always *copied* into our own ragged modules: the source model's
 
 With a sharded :class:`~.models.tp_shard.TensorShard` the model is built with one
 tensor-parallel rank's shapes and ``map_weight`` slices each checkpoint tensor as
-it streams past, so a rank keeps only its part.
+it streams past, so a rank keeps only its part. A quantized rank gets exactly its
+slice of the ``tensor_parallel=1`` quantization (row-parallel weights are quantized
+whole as they pass; see :mod:`shardspeed.inference.quantization.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -173,9 +175,10 @@ def checkpoint_source(model_or_path: Any) -> str | CheckpointSource:
     return CheckpointSource(config, dict(weights), dtype)
 
 
-def check_shardable(model_or_path: Any, world_size: int) -> None:
+def check_shardable(model_or_path: Any, world_size: int, quantization: Any = None) -> None:
     """``ValueError`` unless ``model_or_path`` can be split over ``world_size`` tensor-parallel
-    ranks (supported family, heads and MLP rows divisible); builds it on the meta device."""
+    ranks (supported family, heads and MLP rows divisible, and with ``quantization`` whole
+    groups per rank); builds it on the meta device."""
     if isinstance(model_or_path, RaggedModel):
         raise ValueError(
             f"EngineConfig.tensor_parallel={world_size} needs the checkpoint to slice at load, "
@@ -197,7 +200,12 @@ def check_shardable(model_or_path: Any, world_size: int) -> None:
         )
     shard = TensorShard(0, world_size, all_reduce=_unused_all_reduce)
     with torch.device("meta"), _skip_param_init():
-        cls.from_config(config, shard)  # type: ignore[call-arg]
+        model = cls.from_config(config, shard)  # type: ignore[call-arg]
+    if quantization is not None:
+        from shardspeed.inference.quantization import WeightQuantConfig
+        from shardspeed.inference.quantization.tensor_parallel import check_group_alignment
+
+        check_group_alignment(model, WeightQuantConfig.parse(quantization), world_size)
 
 
 def _unused_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -224,7 +232,7 @@ def build_model(
     target = device if target_device is None else target_device
     dtype = parse_dtype(dtype)
     if shard.sharded:
-        check_shardable(model_or_path, shard.world_size)
+        check_shardable(model_or_path, shard.world_size, quantization)
     if isinstance(model_or_path, RaggedModel):
         model = model_or_path.to(device=device, dtype=dtype) if dtype else model_or_path.to(device)
         _quantize(model, quantization, target)
@@ -242,8 +250,8 @@ def build_model(
             model = cls.from_config(config)
     _materialize(model, dtype, device)
     model.tie_weights()
-    model.load_weights(weights)
-    _quantize(model, quantization, target)
+    prequantized = _load(model, weights, quantization if shard.sharded else None)
+    _quantize(model, quantization, target, prequantized)
     n_params = sum(p.numel() for p in model.parameters())
     part = f", tensor-parallel rank {shard.rank}/{shard.world_size}" if shard.sharded else ""
     place = f"{device} (for {target})" if target != device else str(device)
@@ -254,14 +262,41 @@ def build_model(
     return model.eval(), config
 
 
-def _quantize(model: RaggedModel, quantization: Any, target_device: torch.device) -> None:
+def _load(
+    model: RaggedModel, weights: Iterator[tuple[str, torch.Tensor]], quantization: Any
+) -> dict[str, Any] | None:
+    """Load ``weights``; with a tensor-parallel rank's ``quantization``, also quantize each
+    row-parallel weight whole as it passes and return this rank's slices by layer name
+    (so its scales are those of ``tensor_parallel=1``, see
+    :mod:`shardspeed.inference.quantization.tensor_parallel`)."""
+    if quantization is None:
+        model.load_weights(weights)
+        return None
+    from shardspeed.inference.quantization import WeightQuantConfig
+    from shardspeed.inference.quantization.tensor_parallel import RowParallelQuantizer
+
+    quantizer = RowParallelQuantizer(WeightQuantConfig.parse(quantization))
+    model.row_parallel_hook = quantizer
+    try:
+        model.load_weights(weights)
+    finally:
+        model.row_parallel_hook = None
+    return quantizer.slices
+
+
+def _quantize(
+    model: RaggedModel,
+    quantization: Any,
+    target_device: torch.device,
+    prequantized: dict[str, Any] | None = None,
+) -> None:
     """Weight-only quantization of ``model``'s linear layers in place (None: nothing), with
-    kernels for ``target_device``."""
+    kernels for ``target_device``; ``prequantized``: layers' weights already quantized."""
     if quantization is None:
         return
     from shardspeed.inference.quantization import quantize_model
 
-    quantize_model(model, quantization, target_device)
+    quantize_model(model, quantization, target_device, prequantized)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -75,8 +75,21 @@ class QuantizedLinear(nn.Module):
         its packing are chosen for it while the buffers stay on ``weight``'s device (so a
         model quantized on the host can move to its GPU afterwards).
         """
-        device = weight.device if device is None else torch.device(device)
         qw = quantize_weight(weight, config.bits, config.effective_group_size, config.symmetric)
+        return cls.from_quantized(qw, bias, config, weight.device if device is None else device)
+
+    @classmethod
+    def from_quantized(
+        cls,
+        qw: QuantizedWeight,
+        bias: torch.Tensor | None,
+        config: WeightQuantConfig,
+        device: torch.device | None = None,
+    ) -> QuantizedLinear:
+        """A layer multiplying by an already quantized weight ``qw`` (e.g. one
+        tensor-parallel rank's slice of a weight quantized whole), with the kernel
+        ``config`` selects for ``device`` (None: ``qw``'s device)."""
+        device = qw.qdata.device if device is None else torch.device(device)
         # the torch kernels run in bf16 unless told otherwise: their fast dtype on CPU and
         # the only one of CUDA int4; the reference path computes in the input's dtype
         kernel_dtype = config.resolved_compute_dtype() or torch.bfloat16

@@ -58,6 +58,14 @@ class QuantizedWeight:
         implicit = 8.0 if self.bits == 4 else 0.0
         return torch.full_like(self.scales, implicit)
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """This weight with its tensors on ``device``."""
+        zeros = None if self.zeros is None else self.zeros.to(device)
+        return QuantizedWeight(
+            self.qdata.to(device), self.scales.to(device), zeros, self.bits, self.group_size,
+            self.shape,
+        )  # fmt: skip
+
     def int_values(self) -> torch.Tensor:
         """The stored integers as int32 ``(N, K)`` (int4 unpacked to 0..15)."""
         if self.bits == 8:
@@ -127,3 +135,46 @@ def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -
     q = qw.int_values().float().reshape(n, k // qw.group_size, qw.group_size)  # (N, G, gs)
     w = (q - qw.zero_points()[..., None]) * qw.scales[..., None]  # (N, G, gs)
     return w.reshape(n, k).to(dtype)  # (N, K)
+
+
+def slice_quantized(
+    qw: QuantizedWeight, pieces: list[range], dim: int, name: str = "weight"
+) -> QuantizedWeight:
+    """The quantized form of ``W``'s index ranges ``pieces`` along ``dim``, cut from ``qw``.
+
+    The integers, scales and zero points are those ``qw`` holds, so dequantizing the
+    slice equals slicing the dequantized ``W`` exactly (tensor-parallel ranks hold
+    such slices of the weight quantized once, whole). ``dim=0`` keeps whole rows;
+    ``dim=1`` keeps columns and every cut must fall on a group boundary, except for
+    a per-output-channel weight (one group per row), whose slice keeps the row's
+    scale over the columns it holds. ``ValueError`` (naming ``name``) otherwise.
+    """
+    n, k = qw.shape
+    if dim == 0:
+        keep = torch.cat([torch.arange(r.start, r.stop) for r in pieces])  # (N_local,)
+        zeros = None if qw.zeros is None else qw.zeros[keep]
+        return QuantizedWeight(
+            qw.qdata[keep], qw.scales[keep], zeros, qw.bits, qw.group_size, (len(keep), k)
+        )
+    per_channel = qw.group_size == k
+    cuts = [c for r in pieces for c in (r.start, r.stop)]
+    if not per_channel and any(c % qw.group_size for c in cuts):
+        raise ValueError(
+            f"cannot cut columns {[(r.start, r.stop) for r in pieces]} of {name} {qw.shape} "
+            f"quantized with group_size={qw.group_size}: every cut must be a multiple of the "
+            "group size; pick a group_size that divides each rank's share of the input columns, "
+            "another tensor_parallel degree, or skip this layer (skip_modules)."
+        )
+    if qw.bits == 4 and any(c % 2 for c in cuts):
+        raise ValueError(f"int4 columns of {name} must be cut at even indices, got {cuts}.")
+    width = sum(len(r) for r in pieces)
+
+    def cols(t: torch.Tensor, per: int) -> torch.Tensor:  # (N, k / per) -> (N, width / per)
+        return torch.cat([t[:, r.start // per : r.stop // per] for r in pieces], dim=1)
+
+    qdata = cols(qw.qdata, 1 if qw.bits == 8 else 2)
+    if per_channel:
+        return QuantizedWeight(qdata, qw.scales, qw.zeros, qw.bits, width, (n, width))
+    zeros = None if qw.zeros is None else cols(qw.zeros, qw.group_size)
+    scales = cols(qw.scales, qw.group_size)
+    return QuantizedWeight(qdata, scales, zeros, qw.bits, qw.group_size, (n, width))

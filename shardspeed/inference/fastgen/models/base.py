@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from shardspeed.inference.fastgen.models.rope import RotaryEmbedding
-from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, LinearSplit, TensorShard, take
 from shardspeed.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -20,6 +21,8 @@ logger = get_logger(__name__)
 
 # (our parameter name, source tensor, rows of our parameter it fills or None for all, transpose)
 WeightTarget = tuple[str, torch.Tensor, slice | None, bool]
+# (our parameter name, the whole checkpoint weight (out, in), the input columns this rank holds)
+RowParallelHook = Callable[[str, torch.Tensor, list[range]], None]
 
 
 class RaggedModel(nn.Module):
@@ -51,6 +54,10 @@ class RaggedModel(nn.Module):
     # scheduler frees them (``Scheduler._release_window``).
     kv_window: int | None = None
     eos_token_ids: list[int]
+    tied_embedding: str = ""  # the embedding a tied LM head shares its weight with (``tied``)
+    # Called with every whole row-parallel weight as it loads (the loader quantizes it
+    # whole there and keeps this rank's columns); None: nothing to do.
+    row_parallel_hook: RowParallelHook | None = None
 
     @property
     def rope_recompute_len(self) -> int | None:
@@ -77,8 +84,46 @@ class RaggedModel(nn.Module):
     def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
         raise NotImplementedError
 
+    # ---------------------------------------------------------- tensor-parallel slicing
+    def row_parallel(
+        self, name: str, tensor: torch.Tensor, pieces: list[range], full: int
+    ) -> WeightTarget:
+        """Parameter ``name`` holds input columns ``pieces`` of the ``(out, full)`` ``tensor``."""
+        hook = self.row_parallel_hook
+        if hook is not None and tensor.dim() == 2 and tensor.shape[1] == full:
+            param = self.get_parameter(name)  # quantized from the dtype tp=1 would hold
+            hook(name, tensor.to(device=param.device, dtype=param.dtype), list(pieces))
+        return (name, take(tensor, pieces, full, dim=1), None, False)
+
+    def split_target(
+        self, name: str, tensor: torch.Tensor, split: LinearSplit | None
+    ) -> WeightTarget:
+        """This rank's part of checkpoint ``tensor`` for parameter ``name`` of a layer held as
+        ``split`` (None: whole). A row-parallel bias is added once, by rank 0."""
+        if split is None or not self.shard.sharded:
+            return (name, tensor, None, False)
+        if split.kind == "column":
+            return (name, take(tensor, split.pieces, split.full), None, False)
+        if name.endswith(".bias"):
+            return (name, self.shard.row_bias(tensor), None, False)
+        return self.row_parallel(name, tensor, list(split.pieces), split.full)
+
+    def layer_target(
+        self, prefix: str, layers: nn.ModuleList, match: re.Match[str], tensor: torch.Tensor
+    ) -> list[WeightTarget] | None:
+        """Target of a per-layer tensor whose name ``match`` split into (layer index, module,
+        ``weight``/``bias``); the layer's ``splits`` dict says how a rank holds each module."""
+        idx, module, kind = match.groups()
+        layer = layers[int(idx)]
+        if not hasattr(layer, module):
+            return None
+        split = getattr(layer, "splits", {}).get(module)
+        return [self.split_target(f"{prefix}.{idx}.{module}.{kind}", tensor, split)]
+
     def tie_weights(self) -> None:
         """Re-share tied parameters (``to_empty`` after meta init unties them)."""
+        if getattr(self, "tied", False):
+            self.lm_head.weight = self.get_submodule(self.tied_embedding).weight
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -34,13 +34,9 @@ import torch.nn as nn
 from shardspeed.inference.fastgen.attention import paged_attention
 from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
 from shardspeed.inference.fastgen.models.config_check import Refusal
+from shardspeed.inference.fastgen.models.layer_stack import run_layers
 from shardspeed.inference.fastgen.models.layers import RMSNorm, activation, softcap
-from shardspeed.inference.fastgen.models.rope import (
-    RopeSpec,
-    RotaryEmbedding,
-    apply_rope,
-    forward_seq_lens,
-)
+from shardspeed.inference.fastgen.models.rope import RopeSpec, RotaryEmbedding, apply_rope
 from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
 
 if TYPE_CHECKING:
@@ -201,6 +197,7 @@ class DecoderModel(RaggedModel):
     """
 
     supports_tensor_parallel = True
+    tied_embedding = "embed_tokens"
 
     def __init__(self, s: DecoderSpec, shard: TensorShard = NO_SHARD):
         super().__init__()
@@ -225,10 +222,6 @@ class DecoderModel(RaggedModel):
         self.lm_head = nn.Linear(s.hidden, s.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        if self.tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
     @classmethod
     def config_fields(cls, model_type: str) -> tuple[tuple[str, ...], list[Refusal]]:
         """(config keys the forward honours, refusal rules) of ``model_type``."""
@@ -247,11 +240,7 @@ class DecoderModel(RaggedModel):
         x = self.embed_tokens(batch.input_ids)  # [N, hidden]
         if self.spec.embed_scale is not None:
             x = x * torch.tensor(self.spec.embed_scale, dtype=x.dtype)
-        seq_lens = forward_seq_lens(batch) if self.rotary.length_dependent else None
-        cos, sin = self.rotary(batch.positions, x.dtype, seq_lens)  # [N, rot_dim] each
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch, kv_cache, i)
-        x = x[batch.logits_indices]  # [M, hidden]: only rows that need logits
+        x = run_layers(self.layers, x, batch, kv_cache, self.rotary)  # [M, hidden]
         return softcap(self.lm_head(self.norm(x)), self.spec.final_softcap)  # [M, vocab]
 
     _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
@@ -302,7 +291,7 @@ class DecoderModel(RaggedModel):
         if module == "self_attn.o_proj":
             if kind == "bias":
                 return [(f"{prefix}o_proj.bias", self.shard.row_bias(tensor), None, False)]
-            return [(f"{prefix}o_proj.weight", take(tensor, [q_rows], q_full, dim=1), None, False)]
+            return [self.row_parallel(f"{prefix}o_proj.weight", tensor, [q_rows], q_full)]
         return None
 
     def _map_mlp(
@@ -329,7 +318,7 @@ class DecoderModel(RaggedModel):
         if part == "down":
             if kind == "bias":
                 return (f"{prefix}down_proj.bias", self.shard.row_bias(tensor), None, False)
-            return (f"{prefix}down_proj.weight", take(tensor, [rows], full, dim=1), None, False)
+            return self.row_parallel(f"{prefix}down_proj.weight", tensor, [rows], full)
         gate_up = f"{prefix}gate_up_proj.{kind}"
         if part == "gate":
             return (gate_up, take(tensor, [rows], full), slice(0, inter), False)

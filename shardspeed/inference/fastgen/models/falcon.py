@@ -11,6 +11,11 @@ matmul, by layout:
 Blocks: ``x + attn(ln_attn(x)) + mlp(ln_mlp(x))`` (two norms, new architecture),
 ``x + attn(ln(x)) + mlp(ln(x))`` (``parallel_attn``), or sequential pre-norm.
 ALiBi Falcon checkpoints are refused.
+
+Tensor parallel: a rank holds the fused rows of its query heads and KV heads in the
+same layout (:func:`_qkv_rows`; a KV head is replicated on the ranks that share it
+when there are fewer than ranks, e.g. multi-query) and its ``dense_h_to_4h`` rows;
+``dense`` and ``dense_4h_to_h`` are row-parallel, each followed by the all-reduce.
 """
 
 from __future__ import annotations
@@ -21,17 +26,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from shardspeed.inference.fastgen.attention import paged_attention
 from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
 from shardspeed.inference.fastgen.models.config_check import Refusal, falsy, validate_config
 from shardspeed.inference.fastgen.models.decoder import eos_list
+from shardspeed.inference.fastgen.models.layer_stack import (
+    attention_output,
+    mlp_splits,
+    run_layers,
+)
 from shardspeed.inference.fastgen.models.layers import activation
 from shardspeed.inference.fastgen.models.registry import register_model
-from shardspeed.inference.fastgen.models.rope import (
-    RotaryEmbedding,
-    apply_rope,
-    forward_seq_lens,
-    rope_spec,
+from shardspeed.inference.fastgen.models.rope import RotaryEmbedding, apply_rope, rope_spec
+from shardspeed.inference.fastgen.models.tp_shard import (
+    NO_SHARD,
+    HeadShard,
+    TensorShard,
+    column,
+    head_rows,
+    row,
 )
 
 if TYPE_CHECKING:
@@ -64,21 +76,53 @@ def _normalise(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _qkv_rows(cfg: dict[str, Any], heads: HeadShard, d: int) -> list[range]:
+    """The fused ``query_key_value`` rows a rank holds, in the layout its ``_split_qkv`` reads.
+
+    New architecture: per local KV group, its local query heads then its k and v;
+    multi-query: the local query heads then the one (replicated) k and v; otherwise
+    the local heads' ``[q k v]`` blocks.
+    """
+    h, h_kv = cfg["num_attention_heads"], cfg["num_kv_heads"]
+    if cfg.get("new_decoder_architecture", False):
+        r = h // h_kv  # query heads per KV group
+        pieces = []
+        for g in heads.kv_heads:
+            base = g * (r + 2) * d  # group g: [q_0 .. q_{r-1}, k, v]
+            group_q = range(max(heads.q_heads.start, g * r), min(heads.q_heads.stop, (g + 1) * r))
+            pieces.append(head_rows(range(group_q.start - g * r, group_q.stop - g * r), d, base))
+            pieces.append(range(base + r * d, base + (r + 2) * d))
+        return pieces
+    if cfg.get("multi_query", True):
+        return [head_rows(heads.q_heads, d), range(h * d, (h + 2) * d)]
+    return [head_rows(heads.q_heads, 3 * d)]
+
+
 class FalconLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], shard: TensorShard = NO_SHARD):
         super().__init__()
+        self.shard = shard
         hidden, eps, bias = cfg["hidden_size"], cfg.get("layer_norm_epsilon", 1e-5), cfg["bias"]
-        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_kv_heads"]
-        self.head_dim = hidden // self.num_heads
+        heads = shard.heads(cfg["num_attention_heads"], cfg["num_kv_heads"], "falcon")
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = d = hidden // cfg["num_attention_heads"]
+        qkv_full = (cfg["num_attention_heads"] + 2 * cfg["num_kv_heads"]) * d
+        mlp = ("dense_h_to_4h", "dense_4h_to_h")
+        self.splits = {
+            "query_key_value": column(_qkv_rows(cfg, heads, d), qkv_full),
+            "dense": row([head_rows(heads.q_heads, d)], hidden),
+            **mlp_splits(shard, mlp, cfg["ffn_hidden_size"], "ffn_hidden_size", "falcon"),
+        }
+        local_ffn = len(self.splits["dense_h_to_4h"].pieces[0])
         self.new_arch = bool(cfg.get("new_decoder_architecture", False))
         self.multi_query = bool(cfg.get("multi_query", True))
         self.parallel = bool(cfg.get("parallel_attn", True))
         self.two_norms = self.new_arch and cfg["num_ln_in_parallel_attn"] == 2
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * d
         self.query_key_value = nn.Linear(hidden, qkv_out, bias=bias)
-        self.dense = nn.Linear(hidden, hidden, bias=bias)
-        self.dense_h_to_4h = nn.Linear(hidden, cfg["ffn_hidden_size"], bias=bias)
-        self.dense_4h_to_h = nn.Linear(cfg["ffn_hidden_size"], hidden, bias=bias)
+        self.dense = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        self.dense_h_to_4h = nn.Linear(hidden, local_ffn, bias=bias)
+        self.dense_4h_to_h = nn.Linear(local_ffn, hidden, bias=bias)
         self.act = activation(cfg.get("activation", "gelu"), "activation")
         if self.two_norms:
             self.ln_attn = nn.LayerNorm(hidden, eps=eps)
@@ -100,7 +144,7 @@ class FalconLayer(nn.Module):
         return g[:, :, 0], g[:, :, 1], g[:, :, 2]
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+        return self.shard.reduce(self.dense_4h_to_h(self.act(self.dense_h_to_4h(x))))
 
     def forward(
         self,
@@ -111,12 +155,10 @@ class FalconLayer(nn.Module):
         kv_cache: KVCache,
         layer: int,
     ) -> torch.Tensor:
-        n = x.shape[0]  # x: [N, hidden]
-        h_attn = self.ln_attn(x) if self.two_norms else self.input_layernorm(x)
+        h_attn = self.ln_attn(x) if self.two_norms else self.input_layernorm(x)  # x: [N, hidden]
         q, k, v = self._split_qkv(self.query_key_value(h_attn))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = paged_attention(q, k, v, kv_cache, layer, batch.slot_mapping, batch.attn)
-        a = self.dense(o.reshape(n, -1))  # [N, hidden]
+        a = attention_output(self.shard, self.dense, q, k, v, kv_cache, layer, batch)
         if self.two_norms:
             return x + (self._mlp(self.ln_mlp(x)) + a)
         if self.parallel:
@@ -127,29 +169,31 @@ class FalconLayer(nn.Module):
 
 @register_model("falcon")
 class FalconModel(RaggedModel):
-    """Falcon decoder with rotary positions (HF ``FalconForCausalLM`` weights)."""
+    """Falcon decoder with rotary positions (HF ``FalconForCausalLM`` weights); ``shard``
+    builds one tensor-parallel rank's part."""
 
-    def __init__(self, cfg: dict[str, Any]):
+    supports_tensor_parallel = True
+    tied_embedding = "word_embeddings"
+
+    def __init__(self, cfg: dict[str, Any], shard: TensorShard = NO_SHARD):
         super().__init__()
         self.model_type = "falcon"
+        self.shard = shard
         hidden = cfg["hidden_size"]
         self.num_layers = cfg["num_hidden_layers"]
-        self.num_heads, self.num_kv_heads = cfg["num_attention_heads"], cfg["num_kv_heads"]
-        self.head_dim = hidden // self.num_heads
+        self.h = nn.ModuleList([FalconLayer(cfg, shard) for _ in range(self.num_layers)])
+        heads = shard.heads(cfg["num_attention_heads"], cfg["num_kv_heads"], "falcon")
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = hidden // cfg["num_attention_heads"]
         self.vocab_size = cfg["vocab_size"]
         self.max_positions = cfg.get("max_position_embeddings")
         self.eos_token_ids = eos_list(cfg.get("eos_token_id"))
         self.rotary = RotaryEmbedding(rope_spec(cfg, self.head_dim, "falcon"))
         self.word_embeddings = nn.Embedding(self.vocab_size, hidden)
-        self.h = nn.ModuleList([FalconLayer(cfg) for _ in range(self.num_layers)])
         self.ln_f = nn.LayerNorm(hidden, eps=cfg.get("layer_norm_epsilon", 1e-5))
         self.tied = bool(cfg.get("tie_word_embeddings", True))
         self.lm_head = nn.Linear(hidden, self.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.tied:
-            self.lm_head.weight = self.word_embeddings.weight
 
     @classmethod
     def config_fields(cls, model_type: str) -> tuple[tuple[str, ...], list[Refusal]]:
@@ -159,7 +203,7 @@ class FalconModel(RaggedModel):
         ]
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> FalconModel:
+    def from_config(cls, config: dict[str, Any], shard: TensorShard = NO_SHARD) -> FalconModel:
         validate_config("falcon", config, *cls.config_fields("falcon"))
         cfg = _normalise(config)
         if cfg.get("new_decoder_architecture") and not cfg.get("parallel_attn", True):
@@ -172,15 +216,11 @@ class FalconModel(RaggedModel):
                 f"falcon config num_ln_in_parallel_attn={cfg['num_ln_in_parallel_attn']!r} "
                 "must be 1, 2 or null."
             )
-        return cls(cfg)
+        return cls(cfg, shard)
 
     def forward(self, batch: RaggedBatch, kv_cache: KVCache) -> torch.Tensor:
         x = self.word_embeddings(batch.input_ids)  # [N, hidden]
-        seq_lens = forward_seq_lens(batch) if self.rotary.length_dependent else None
-        cos, sin = self.rotary(batch.positions, x.dtype, seq_lens)  # [N, rot_dim] each
-        for i, layer in enumerate(self.h):
-            x = layer(x, cos, sin, batch, kv_cache, i)
-        x = x[batch.logits_indices]  # [M, hidden]
+        x = run_layers(self.h, x, batch, kv_cache, self.rotary)  # [M, hidden]
         return self.lm_head(self.ln_f(x))  # [M, vocab]
 
     _LAYER_RE = re.compile(r"^h\.(\d+)\.(?:self_attention\.|mlp\.)?(\w+)\.(weight|bias)$")
@@ -192,9 +232,4 @@ class FalconModel(RaggedModel):
         if name.startswith(("word_embeddings.", "ln_f.")):
             return [(name, tensor, None, False)]
         m = self._LAYER_RE.match(name)
-        if m is None:
-            return None
-        idx, module, kind = m.groups()
-        if not hasattr(self.h[int(idx)], module):
-            return None
-        return [(f"h.{idx}.{module}.{kind}", tensor, None, False)]
+        return None if m is None else self.layer_target("h", self.h, m, tensor)

@@ -26,7 +26,13 @@ from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
 from shardspeed.inference.fastgen.models.config_check import Refusal, falsy, validate_config
 from shardspeed.inference.fastgen.models.layers import activation
 from shardspeed.inference.fastgen.models.registry import register_model
-from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
+from shardspeed.inference.fastgen.models.tp_shard import (
+    NO_SHARD,
+    TensorShard,
+    column,
+    head_rows,
+    row,
+)
 
 if TYPE_CHECKING:
     from shardspeed.inference.fastgen.kv_cache import KVCache
@@ -72,6 +78,14 @@ class GPTBlock(nn.Module):
         self.c_fc = nn.Linear(s.hidden, len(self.inner_rows), bias=s.bias)
         self.mlp_proj = nn.Linear(len(self.inner_rows), s.hidden, bias=s.bias)
         self.act = activation(s.activation, "activation_function")
+        rows = head_rows(self.heads.q_heads, self.head_dim)  # c_attn: [q | k | v] heads of r
+        qkv = [rows, *(range(rows.start + i * s.hidden, rows.stop + i * s.hidden) for i in (1, 2))]
+        self.splits = {
+            "c_attn": column(qkv, 3 * s.hidden),
+            "attn_proj": row([rows], s.hidden),
+            "c_fc": column([self.inner_rows], s.inner),
+            "mlp_proj": row([self.inner_rows], s.inner),
+        }
 
     def forward(
         self, x: torch.Tensor, batch: RaggedBatch, kv_cache: KVCache, layer: int
@@ -101,6 +115,7 @@ class GPTModel(RaggedModel):
     conv1d_weights = True  # HF GPT-2 Conv1D stores [in, out]
     learned_positions = True
     supports_tensor_parallel = True
+    tied_embedding = "wte"
 
     def __init__(self, s: GPTShape, model_type: str = "gpt2", shard: TensorShard = NO_SHARD):
         super().__init__()
@@ -120,10 +135,6 @@ class GPTModel(RaggedModel):
         self.tied = s.tied
         self.lm_head = nn.Linear(s.hidden, s.vocab_size, bias=False)
         self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.tied:
-            self.lm_head.weight = self.wte.weight
 
     CONFIG_KEYS = (
         "vocab_size", "n_positions", "n_ctx", "n_embd", "n_layer", "n_head", "n_inner",
@@ -193,24 +204,5 @@ class GPTModel(RaggedModel):
             return [(target, tensor, None, False)]
         if self.conv1d_weights and kind == "weight":
             tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
-        return [
-            (target, self._shard_projection(self.h[int(idx)], module, kind, tensor), None, False)
-        ]
-
-    def _shard_projection(
-        self, block: GPTBlock, module: str, kind: str, tensor: torch.Tensor
-    ) -> torch.Tensor:
-        """This rank's part of a projection (``tensor`` in ``nn.Linear`` layout)."""
-        hidden, inner = self.shape.hidden, self.shape.inner
-        if module in ("attn.c_proj", "mlp.c_proj"):  # row-parallel
-            if kind == "bias":
-                return self.shard.row_bias(tensor)
-            if module == "attn.c_proj":
-                return take(tensor, [head_rows(block.heads.q_heads, block.head_dim)], hidden, dim=1)
-            return take(tensor, [block.inner_rows], inner, dim=1)
-        if module == "mlp.c_fc":
-            return take(tensor, [block.inner_rows], inner)
-        rows = head_rows(block.heads.q_heads, block.head_dim)  # attn.c_attn: [q | k | v]
-        pieces = [rows, range(rows.start + hidden, rows.stop + hidden)]
-        pieces.append(range(rows.start + 2 * hidden, rows.stop + 2 * hidden))
-        return take(tensor, pieces, 3 * hidden)
+        split = self.h[int(idx)].splits[self._RENAME[module]]
+        return [self.split_target(target, tensor, split)]

@@ -124,6 +124,27 @@ class TensorShard:
         return bias if self.rank == 0 else torch.zeros_like(bias)
 
 
+@dataclass(frozen=True)
+class LinearSplit:
+    """How one rank holds an ``nn.Linear``: its output rows (``column``) or input columns (``row``).
+
+    ``pieces`` index the whole layer's dim of size ``full``: out features for a
+    column-parallel layer, in features for a row-parallel one.
+    """
+
+    kind: str  # "column" | "row"
+    pieces: tuple[range, ...]
+    full: int
+
+
+def column(pieces: Sequence[range], full: int) -> LinearSplit:
+    return LinearSplit("column", tuple(pieces), full)
+
+
+def row(pieces: Sequence[range], full: int) -> LinearSplit:
+    return LinearSplit("row", tuple(pieces), full)
+
+
 def take(tensor: torch.Tensor, pieces: Sequence[range], full: int, dim: int = 0) -> torch.Tensor:
     """The concatenation of ``tensor``'s index ranges ``pieces`` along ``dim``.
 

@@ -81,9 +81,15 @@ class TensorParallelPeers:
 
     @classmethod
     def spawn(
-        cls, source: Any, world_size: int, dtype: torch.dtype | None, device: torch.device
+        cls,
+        source: Any,
+        world_size: int,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        quantization: Any = None,
     ) -> TensorParallelPeers:
-        """Start ranks 1..``world_size - 1`` loading ``source`` (a path or CheckpointSource)."""
+        """Start ranks 1..``world_size - 1`` loading ``source`` (a path or CheckpointSource),
+        quantized with ``quantization`` (a ``WeightQuantConfig`` or None)."""
         devices = worker_devices(device, world_size)
         peers = cls(world_size, device)
         ctx = mp.get_context("spawn")
@@ -91,7 +97,9 @@ class TensorParallelPeers:
         try:
             for rank in range(1, world_size):
                 ours, theirs = ctx.Pipe(duplex=True)
-                args = WorkerArgs(rank, world_size, source, dtype, str(devices[rank]), num_threads)
+                args = WorkerArgs(
+                    rank, world_size, source, dtype, str(devices[rank]), num_threads, quantization
+                )
                 proc = ctx.Process(
                     target=worker_main, args=(theirs, args), daemon=True, name=f"fastgen-tp{rank}"
                 )

@@ -20,12 +20,6 @@ def check_config(config: EngineConfig, device: torch.device) -> None:
             "not supported (the compiled step has no all-reduce); use compile_decode=False or "
             "tensor_parallel=1."
         )
-    if config.quantization is not None:
-        raise ValueError(
-            f"EngineConfig.quantization with tensor_parallel={tp} is not supported yet (per-rank "
-            "scales of row-parallel layers would differ from tensor_parallel=1); drop "
-            "quantization or use tensor_parallel=1."
-        )
     worker_devices(device, tp)  # enough CUDA devices
 
 
@@ -34,13 +28,15 @@ def start_tensor_parallel(
 ) -> TensorParallelPeers | None:
     """None for ``tensor_parallel == 1``; else validated, spawned workers loading their shards.
 
-    Every refusal (options, model family, head/MLP divisibility, devices) happens here,
-    before any process starts.
+    Every refusal (options, model family, head/MLP divisibility, quantization groups that
+    a rank's columns would cut, devices) happens here, before any process starts.
     """
     if config.tensor_parallel == 1:
         return None
     check_config(config, device)
-    check_shardable(model_or_path, config.tensor_parallel)
+    check_shardable(model_or_path, config.tensor_parallel, config.quantization)
     source = checkpoint_source(model_or_path)
     dtype = parse_dtype(config.dtype)
-    return TensorParallelPeers.spawn(source, config.tensor_parallel, dtype, device)
+    return TensorParallelPeers.spawn(
+        source, config.tensor_parallel, dtype, device, config.quantization
+    )

@@ -2,7 +2,7 @@
 
 ::
 
-    model = build_model(source, shard=rank's TensorShard)     # slices at load
+    model = build_model(source, shard=rank's TensorShard)     # slices (and quantizes) at load
     send loaded; wait for connect
     join the group; allocate this rank's KV cache; send ready
     loop: batch -> forward (all-reduces pair with rank 0's)  |  copy_block  |  stop
@@ -45,6 +45,7 @@ class WorkerArgs:
     dtype: torch.dtype | None
     device: str
     num_threads: int
+    quantization: Any = None  # a WeightQuantConfig (picklable) or None
 
 
 def worker_main(conn: Connection, args: WorkerArgs) -> None:
@@ -69,7 +70,7 @@ def _serve(conn: Connection, args: WorkerArgs) -> None:
         torch.cuda.set_device(device)
     handle = GroupHandle()
     shard = TensorShard(args.rank, args.world_size, handle.all_reduce)
-    model, _ = build_model(args.source, args.dtype, device, None, shard)
+    model, _ = build_model(args.source, args.dtype, device, args.quantization, shard)
     conn.send((msg.LOADED, None))
     kind, info = conn.recv()
     if kind == msg.STOP:
