@@ -129,6 +129,19 @@ def make_sampling_params(
     return params
 
 
+GENERATION_FIELDS = (
+    "max_new_tokens", "top_k", "top_p", "repetition_penalty", "seed", "stop", "ignore_eos",
+    "min_new_tokens", "presence_penalty", "frequency_penalty", "logit_bias", "truncate",
+)  # fmt: skip
+
+
+def generation_fields(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The generation keywords of a ``Pipeline`` call (from its ``locals()``), with ``do_sample`` + ``temperature`` resolved into one temperature."""
+    gen = {name: arguments[name] for name in GENERATION_FIELDS}
+    gen["temperature"] = resolve_temperature(arguments["do_sample"], arguments["temperature"])
+    return gen
+
+
 def resolve_temperature(do_sample: bool | None, temperature: float | None) -> float:
     """HF/MII ``do_sample`` + ``temperature`` as one temperature (0 = greedy).
 
@@ -202,21 +215,7 @@ class Pipeline:
         overrides the generation keywords when given.
         """
         prompt_list = self._prompt_list(prompts)
-        gen = dict(
-            max_new_tokens=max_new_tokens,
-            temperature=resolve_temperature(do_sample, temperature),
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
-            min_new_tokens=min_new_tokens,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            truncate=truncate,
-        )
+        gen = generation_fields(locals())
         token_prompts = [self._encode(p) for p in prompt_list]
         per_prompt = [self._params(len(t), max_length, params, gen) for t in token_prompts]
         outputs = self.engine.generate(token_prompts, per_prompt)
@@ -286,21 +285,7 @@ class Pipeline:
         generator early aborts the request.
         """
         self._prompt_list([prompt])
-        gen = dict(
-            max_new_tokens=max_new_tokens,
-            temperature=resolve_temperature(do_sample, temperature),
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
-            min_new_tokens=min_new_tokens,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            logit_bias=logit_bias,
-            truncate=truncate,
-        )
+        gen = generation_fields(locals())
         token_ids = self._encode(prompt)
         params = self._params(len(token_ids), max_length, params, gen)
         request_id = self.engine.add_request(token_ids, params)
