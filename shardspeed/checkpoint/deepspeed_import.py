@@ -237,6 +237,11 @@ def _load_trusted(path: Path) -> Any:
             f"{str(path)!r}: {err}. Only import DeepSpeed checkpoints; if this one is genuine "
             "and holds another DeepSpeed class, report it."
         ) from None
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:
+        raise ValueError(
+            f"DeepSpeed checkpoint file {str(path)!r} cannot be read ({type(err).__name__}: "
+            f"{err}); it is truncated or corrupted. Copy it again from the run that wrote it."
+        ) from err
 
 
 def _resolve_ds_tag(ds_dir: Path, tag: str | None) -> str:

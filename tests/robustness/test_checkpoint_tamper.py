@@ -313,6 +313,18 @@ def test_deepspeed_import_refuses_a_code_global(tmp_path: Path, capsys) -> None:
     _one_line_refusal(rc, capsys.readouterr().err, "not a relative path inside")
 
 
+def test_deepspeed_import_names_a_truncated_file(tmp_path: Path, capsys) -> None:
+    tag_dir = tmp_path / "ds" / "global_step1"
+    tag_dir.mkdir(parents=True)
+    (tmp_path / "ds" / "latest").write_text("global_step1")
+    whole = tag_dir / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.zeros(64)}}, whole)
+    whole.write_bytes(whole.read_bytes()[:100])
+    rc = checkpoint_main(["from-deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    _one_line_refusal(rc, err, "mp_rank_00_model_states.pt", "truncated or corrupted")
+
+
 @pytest.mark.parametrize(
     "module, name",
     [
