@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from shardspeed.accelerator import get_accelerator
+from shardspeed.comm import teardown
 from shardspeed.comm.env import DEFAULT_PORT, DistEnv, discover_env
 from shardspeed.utils.logging import get_logger, log_dist
 
@@ -135,6 +136,7 @@ def init_distributed(
 
         configure(config)
     if dist.is_initialized():
+        teardown.install()  # a group the caller made: still torn down in order at exit
         return
     if dist_init_required is False:
         return
@@ -173,6 +175,7 @@ def init_distributed(
         from shardspeed.comm.blame import install  # failure records for blame reports
 
         install()
+    teardown.install()
     if verbose:
         log_dist(
             f"initialised torch.distributed: backend={backend}, world_size={env.world_size}, "
