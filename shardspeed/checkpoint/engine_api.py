@@ -258,7 +258,6 @@ def save_16bit_model(
     nothing is written and False is returned (with a warning), as in DeepSpeed.
     """
     path = Path(save_dir) / save_filename
-    full: dict[str, Any] | None = None
     if getattr(engine, "stage", 0) == 3:
         if not engine._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             logger.warning(
@@ -268,18 +267,8 @@ def save_16bit_model(
                 "save a checkpoint and convert it with get_fp32_state_dict_from_checkpoint."
             )
             return False
-        full = engine.state_dict()  # collective: gathers every sharded parameter
-    elif engine.topology.size("tensor") > 1:
-        full = engine.state_dict()  # collective: tensor-parallel shards gathered, own names
-    if _rank() == 0:
-        trainable = trainable_ids(engine)
-        frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
-        source = full if full is not None else engine.module.state_dict()
-        state = {
-            k: v.detach().to("cpu", copy=True).contiguous()
-            for k, v in source.items()
-            if not (exclude_frozen_parameters and k in frozen)
-        }
+    state = export_state_dict(engine, exclude_frozen_parameters)
+    if state is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
         if save_filename.endswith(".safetensors"):
@@ -291,6 +280,31 @@ def save_16bit_model(
         os.replace(tmp, path)
     _barrier()
     return True
+
+
+def export_state_dict(
+    engine: Any, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """The whole model as host tensors on rank 0 (None elsewhere): a collective at ZeRO 3,
+    with tensor parallelism (shards gathered) and with expert parallelism (every global
+    expert gathered to rank 0, in the names of the ``ep_size=1`` model)."""
+    from shardspeed.checkpoint.expert_export import gather_global_experts
+    from shardspeed.checkpoint.expert_placement import ExpertNames
+
+    names = ExpertNames.of(engine.module)
+    collective = getattr(engine, "stage", 0) == 3 or engine.topology.size("tensor") > 1
+    if not collective and not names.blocks and _rank() != 0:
+        return None
+    source = engine.state_dict() if collective else engine.module.state_dict()
+    if exclude_frozen_parameters:
+        trainable = trainable_ids(engine)
+        frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
+        source = {k: v for k, v in source.items() if k not in frozen}
+    if names.blocks:
+        return gather_global_experts(source, names)
+    if _rank() != 0:
+        return None
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in source.items()}
 
 
 def _load_rank_local(engine: Any, reader: Any, own: dict[str, Any] | None) -> None:

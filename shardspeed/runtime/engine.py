@@ -24,7 +24,6 @@ from shardspeed.runtime.expert_layout import (
     expert_axis,
     expert_name,
     expert_norm_groups,
-    expert_parallel_size,
     split_expert_groups,
     uses_fused_adam,
 )
@@ -602,7 +601,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """
         from shardspeed.checkpoint.engine_api import save_checkpoint
 
-        self._check_checkpointable("save_checkpoint")
         return save_checkpoint(
             self,
             save_dir,
@@ -612,24 +610,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             exclude_frozen_parameters,
             async_save=async_save,
         )
-
-    def _check_checkpointable(self, what: str) -> None:
-        """Refuse ``save_16bit_model`` for expert-parallel models: rank 0 alone would write
-        its own local experts under local names. ``save_checkpoint`` / ``load_checkpoint``
-        store experts under global ids (shardspeed.checkpoint.expert_placement) and reshard
-        them across ep sizes; tensor-parallel shards by tensor rank (tp_placement)."""
-        if what in ("save_checkpoint", "load_checkpoint"):
-            return
-        for group in self.flat_groups:
-            name = expert_name(group.params)
-            if name is not None and expert_parallel_size(name) > 1:
-                raise ValueError(
-                    f"engine.{what}(): the model has expert-parallel MoE layers ({name}); "
-                    "this export writes rank 0's module only and would miss the other ranks' "
-                    "experts. Save with engine.save_checkpoint(dir) and convert it with "
-                    "shardspeed.checkpoint.get_fp32_state_dict_from_checkpoint(dir) (every "
-                    "global expert), or use ep_size=1."
-                )
 
     def wait_checkpoint(self) -> None:
         """Wait for this rank's asynchronous save to be published; raise if it failed."""
@@ -649,7 +629,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """Load (and reshard to this layout) a checkpoint; returns ``(path, client_state)``."""
         from shardspeed.checkpoint.engine_api import load_checkpoint
 
-        self._check_checkpointable("load_checkpoint")
         return load_checkpoint(
             self,
             load_dir,
@@ -663,13 +642,13 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     def _zero3_consolidated_16bit_state_dict(
         self, exclude_frozen_parameters: bool = False
     ) -> dict[str, Any]:
-        """DeepSpeed's name (Accelerate's ZeRO-3 save): the full state dict on rank 0 and {}
-        elsewhere; a collective, as :meth:`state_dict`."""
-        state = self.state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        return state if self.global_rank == 0 else {}
+        """DeepSpeed's name (Accelerate's ZeRO-3 save): the full state dict as host tensors on
+        rank 0 and {} elsewhere; a collective. With expert parallelism rank 0's dict holds
+        every global expert (the ``ep_size=1`` model's names), as ``save_16bit_model``."""
+        from shardspeed.checkpoint.engine_api import export_state_dict
+
+        state = export_state_dict(self, exclude_frozen_parameters)
+        return state if state is not None else {}
 
     def save_16bit_model(
         self,
@@ -680,7 +659,6 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """Write the consolidated weights in the training dtype (rank 0 writes)."""
         from shardspeed.checkpoint.engine_api import save_16bit_model
 
-        self._check_checkpointable("save_16bit_model")
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     save_fp16_model = save_16bit_model

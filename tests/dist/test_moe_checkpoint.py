@@ -58,7 +58,7 @@ def _full_initial(seed: int) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _engine(ep: int, stage: int, seed: int) -> Any:
+def _engine(ep: int, stage: int, seed: int, gather_16bit: bool = False) -> Any:
     import shardspeed
     from shardspeed import comm
     from shardspeed.parallel.moe.groups import topology_for
@@ -74,7 +74,11 @@ def _engine(ep: int, stage: int, seed: int) -> Any:
         # averaged), so the default clipping at 1.0 would train ep 2 and ep 1 apart
         "gradient_clipping": 0.0,
         "optimizer": {"type": "Adam", "params": {"lr": LR}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": gather_16bit,
+        },
     }
     engine, _, _, _ = shardspeed.initialize(model=model, config=config)
     return engine
@@ -203,6 +207,43 @@ def test_moe_checkpoint_reshards_ep2_to_ep1_and_ep4(tmp_path: Path) -> None:
 def test_moe_checkpoint_reshards_other_stages(tmp_path: Path, stage: int) -> None:
     loads = [(2, 2, stage), (2, 1, 0), (1, 1, 3), (4, 4, stage), (4, 2, stage)]
     _run_matrix(tmp_path, stage, loads)
+
+
+# -- one-file export at ep > 1 ------------------------------------------------------------
+def _export_run(root: str, stage: int) -> dict[str, torch.Tensor]:
+    """ep 2: train, save_16bit_model + a checkpoint; rank 0 returns the consolidated dict."""
+    engine = _engine(2, stage, seed=0, gather_16bit=True)
+    _train(engine, 0, 2)
+    assert engine.save_16bit_model(f"{root}/export") is True
+    engine.save_checkpoint(f"{root}/ckpt", tag="t")
+    consolidated = engine._zero3_consolidated_16bit_state_dict()
+    engine.destroy()
+    return consolidated
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_save_16bit_model_at_ep2_writes_every_global_expert(tmp_path: Path, stage: int) -> None:
+    """The export is the ep-1 model holding all 4 experts (rank 1's local 0, 1 under global
+    ids 2, 3), equal to the checkpoint's consolidated weights, loadable strictly into an
+    ``ep_size=1`` module; Accelerate's ``_zero3_consolidated_16bit_state_dict`` matches."""
+    from shardspeed.checkpoint import get_fp32_state_dict_from_checkpoint
+
+    consolidated = run_distributed(_export_run, 2, str(tmp_path), stage, timeout=300)
+    assert consolidated[1] == {}
+    written = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    reference = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt", tag="t")
+    ep1 = _Net(1, 1)
+    assert list(written) == list(ep1.state_dict())
+    ep1.load_state_dict(written, strict=True)
+    for name, value in reference.items():
+        assert torch.equal(written[name], value), name
+        assert torch.equal(consolidated[0][name], value), name
+    experts = {n.split(".")[4] for n in written if n.startswith(EXPERT_PREFIX)}
+    assert experts == {str(i) for i in range(EXPERTS)}
+    # the experts differ (so a mix-up of ids would show)
+    assert not torch.equal(
+        written[f"{EXPERT_PREFIX}0.0.weight"], written[f"{EXPERT_PREFIX}2.0.weight"]
+    )
 
 
 # -- DeepSpeed's MoE layout --------------------------------------------------------------

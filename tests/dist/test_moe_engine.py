@@ -319,24 +319,3 @@ def test_expert_parallel_training_matches_reference_world4() -> None:
 def test_expert_parallel_full_matrix(world: int, dtype: str) -> None:
     cases = [c for c in _ALL[world] if c[4] == dtype]
     _check(run_distributed(_train, world, world, cases, timeout=600))
-
-
-def _checkpoint_refused() -> str:
-    import shardspeed
-
-    torch.manual_seed(0)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-    }
-    engine, _, _, _ = shardspeed.initialize(model=_Net(2, 1), config=config)
-    with pytest.raises(ValueError) as err:
-        engine.save_16bit_model("/nonexistent-not-written")
-    return str(err.value)
-
-
-def test_expert_parallel_save_16bit_model_is_refused() -> None:
-    """Checkpoints reshard across ep (test_moe_checkpoint.py); the one-file 16-bit export
-    would hold only rank 0's experts, so it is refused with the way out."""
-    msg = run_distributed(_checkpoint_refused, 2)[0]
-    assert "ep_size_2" in msg and "save_checkpoint" in msg

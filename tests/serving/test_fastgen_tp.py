@@ -360,6 +360,44 @@ def test_async_engine_shutdown_stops_workers_at_once() -> None:
     async_engine.shutdown()  # idempotent
 
 
+def test_async_engine_gives_up_on_a_dead_worker_instead_of_restarting() -> None:
+    """A dead tensor-parallel worker cannot be cured by a new engine thread: the request
+    fails, the supervisor stops the engine (the surviving workers exit) and does not
+    restart it, health names the error and new requests fail at once."""
+    import asyncio
+
+    from shardspeed.inference.serving.async_engine import AsyncEngine, EngineDeadError
+
+    engine = InferenceEngine.from_pretrained(_gpt2(), tensor_parallel=2, **ENGINE)
+    async_engine = AsyncEngine(engine, restart_backoff_s=0.05).start()
+    deadline = time.monotonic() + 10
+    while not async_engine.is_healthy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (pid,) = engine.peers.worker_pids
+    os.kill(pid, signal.SIGKILL)
+    assert _gone(pid)
+
+    async def run() -> None:
+        stream = async_engine.submit([3, 4, 5], SamplingParams(max_new_tokens=3, ignore_eos=True))
+        with pytest.raises(EngineDeadError, match="worker rank 1 exited"):
+            [out async for out in stream]
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 10
+    while "restart the server" not in async_engine.status_detail and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "cannot be restarted" in async_engine.status_detail
+    time.sleep(0.3)  # several backoffs: still no restart
+    assert async_engine.restarts == 0 and not async_engine.is_healthy
+
+    async def again() -> None:
+        with pytest.raises(EngineDeadError, match="restart the server"):
+            async_engine.submit([3], SamplingParams(max_new_tokens=1))
+
+    asyncio.run(again())
+    async_engine.shutdown()
+
+
 # ---------------------------------------------------------- quantized weights
 QUANT_LLAMA = dict(hidden_size=128, intermediate_size=256)  # per rank: 64 / 128 input columns
 

@@ -24,7 +24,13 @@ Faults, from narrow to wide:
   engine's requests are aborted, and a supervisor thread starts a new engine thread
   after ``restart_backoff_s`` (doubling while restarts keep failing before a step
   succeeds, up to ``max_restart_backoff_s``). :attr:`restarts` counts them; ``/health``
-  answers 503 until the new thread runs.
+  answers 503 until the new thread runs;
+* an error after which the engine itself can never step again (a tensor-parallel worker
+  died: :class:`TensorParallelError`, or any exception with a true
+  ``engine_unrecoverable`` attribute) is not retried: the supervisor shuts the engine
+  down (its surviving workers exit), ``/health`` answers 503 naming the error for good,
+  and new requests fail at once with :class:`EngineDeadError` - restarting the process is
+  the way back, which an orchestrator watching ``/health`` does.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from shardspeed.inference.fastgen.engine import RequestFailedError
+from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError
 from shardspeed.inference.serving.metrics import EngineGauges, ServingMetrics
 from shardspeed.inference.serving.pipeline import request_timings
 from shardspeed.utils.logging import get_logger
@@ -148,9 +155,11 @@ class AsyncEngine:
         self._in_engine: set[str] = set()  # added to the engine, not seen finished
         self._stop = threading.Event()
         self._error: BaseException | None = None  # why the current engine thread ended
+        self._fatal: BaseException | None = None  # an error no restart can cure
         self._stepped = False  # a step succeeded since the last (re)start
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None  # the current engine thread
+        self._first_start = threading.Event()  # the first engine thread is running
         self._supervisor = threading.Thread(
             target=self._supervise, name="shardspeed-engine-supervisor", daemon=True
         )
@@ -163,6 +172,8 @@ class AsyncEngine:
             if not self._supervisor.is_alive() and not self._stop.is_set():
                 self._thread = self._new_thread()
                 self._supervisor.start()
+        if self._supervisor.is_alive():
+            self._first_start.wait(10.0)  # healthy on return: a request right away is served
         return self
 
     @property
@@ -181,6 +192,8 @@ class AsyncEngine:
         """Why the engine cannot serve now ("" when healthy)."""
         if self.is_healthy:
             return ""
+        if self._fatal is not None:
+            return f"engine failed and cannot be restarted ({self._fatal}); restart the server"
         if self._stop.is_set() or self._thread is None:
             return "engine stopped"
         return f"engine restarting after: {self._error or 'its thread ended'}"
@@ -275,8 +288,12 @@ class AsyncEngine:
             thread = self._thread
             assert thread is not None
             thread.start()
+            self._first_start.set()
             thread.join()
             if self._stop.is_set():
+                return
+            if _unrecoverable(self._error):
+                self._give_up()
                 return
             backoff = self.restart_backoff_s if self._stepped else backoff
             logger.error(
@@ -292,6 +309,21 @@ class AsyncEngine:
             self._stepped = False
             self._thread = self._new_thread()
             self._error = None
+
+    def _give_up(self) -> None:
+        """The engine cannot step again: stop it (its workers exit) and stay unhealthy."""
+        self._fatal = self._error
+        logger.error(
+            "the inference engine cannot recover (%s); not restarting it. /health reports it "
+            "until the server is restarted",
+            self._fatal,
+        )
+        engine_shutdown = getattr(self.engine, "shutdown", None)
+        if callable(engine_shutdown):
+            try:
+                engine_shutdown()
+            except Exception:  # already broken: cleaning up is best effort
+                logger.exception("shutting the failed engine down raised")
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -432,3 +464,12 @@ class AsyncEngine:
             except Exception:
                 logger.debug("abort(%s) failed while resetting the engine", request_id)
         self._in_engine.clear()
+
+
+def _unrecoverable(error: BaseException | None) -> bool:
+    """Whether ``error`` leaves the engine unable to ever step again (no restart helps)."""
+    if error is None:
+        return False
+    return isinstance(error, TensorParallelError) or bool(
+        getattr(error, "engine_unrecoverable", False)
+    )
