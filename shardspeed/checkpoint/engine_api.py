@@ -40,7 +40,7 @@ from shardspeed.checkpoint.format import (
 )
 from shardspeed.checkpoint.integrity import verify_tag_distributed
 from shardspeed.checkpoint.recovery_script import wants_recovery_script, write_recovery_script
-from shardspeed.checkpoint.shards import SliceReader, load_fragments, trainable_ids
+from shardspeed.checkpoint.shards import SliceReader, load_fragments
 from shardspeed.checkpoint.state import restore_engine_state, restore_rng_state
 from shardspeed.utils.logging import get_logger, log_dist
 
@@ -267,6 +267,8 @@ def save_16bit_model(
                 "save a checkpoint and convert it with get_fp32_state_dict_from_checkpoint."
             )
             return False
+    from shardspeed.checkpoint.model_export import export_state_dict
+
     state = export_state_dict(engine, exclude_frozen_parameters)
     if state is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,31 +282,6 @@ def save_16bit_model(
         os.replace(tmp, path)
     _barrier()
     return True
-
-
-def export_state_dict(
-    engine: Any, exclude_frozen_parameters: bool = False
-) -> dict[str, torch.Tensor] | None:
-    """The whole model as host tensors on rank 0 (None elsewhere): a collective at ZeRO 3,
-    with tensor parallelism (shards gathered) and with expert parallelism (every global
-    expert gathered to rank 0, in the names of the ``ep_size=1`` model)."""
-    from shardspeed.checkpoint.expert_export import gather_global_experts
-    from shardspeed.checkpoint.expert_placement import ExpertNames
-
-    names = ExpertNames.of(engine.module)
-    collective = getattr(engine, "stage", 0) == 3 or engine.topology.size("tensor") > 1
-    if not collective and not names.blocks and _rank() != 0:
-        return None
-    source = engine.state_dict() if collective else engine.module.state_dict()
-    if exclude_frozen_parameters:
-        trainable = trainable_ids(engine)
-        frozen = {n for n, p in engine.module.named_parameters() if id(p) not in trainable}
-        source = {k: v for k, v in source.items() if k not in frozen}
-    if names.blocks:
-        return gather_global_experts(source, names)
-    if _rank() != 0:
-        return None
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in source.items()}
 
 
 def _load_rank_local(engine: Any, reader: Any, own: dict[str, Any] | None) -> None:

@@ -645,7 +645,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         """DeepSpeed's name (Accelerate's ZeRO-3 save): the full state dict as host tensors on
         rank 0 and {} elsewhere; a collective. With expert parallelism rank 0's dict holds
         every global expert (the ``ep_size=1`` model's names), as ``save_16bit_model``."""
-        from shardspeed.checkpoint.engine_api import export_state_dict
+        from shardspeed.checkpoint.model_export import export_state_dict
 
         state = export_state_dict(self, exclude_frozen_parameters)
         return state if state is not None else {}

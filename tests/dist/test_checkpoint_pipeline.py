@@ -145,3 +145,27 @@ def test_pipeline_checkpoint_resume_and_reshard(tmp_path: Path) -> None:
     assert set(state) == set(ref_at_save)
     for name, value in ref_at_save.items():
         assert_close_rel(state[name], value, rtol=1e-5, atol=1e-7, msg=f"consolidated {name}")
+
+
+def _export(spec: PipeSpec, root: str) -> list[str]:
+    engine = _engine(spec)
+    _train(engine, spec, range(2))
+    engine.save_checkpoint(f"{root}/ckpt", tag="t")
+    assert engine.save_16bit_model(f"{root}/export") is True
+    keys = list(engine.module.state_dict())
+    engine.destroy()
+    return keys
+
+
+def test_save_16bit_model_writes_every_stage(tmp_path: Path) -> None:
+    """pp 2 x dp 2: rank 0 holds stage 0's layers only; the export holds every stage's
+    (the tied embedding once), equal to the checkpoint's consolidated weights (fp32)."""
+    per_rank = run_distributed(_export, 4, _spec(2, 2), str(tmp_path), timeout=300)
+    written = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
+    consolidated = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt", tag="t")
+    stage_keys = {k for keys in per_rank for k in keys}
+    assert set(per_rank[0]) < stage_keys  # rank 0 alone would miss the last stage's layers
+    assert set(written) == stage_keys == set(consolidated)
+    assert list(written).count(TIED) == 1
+    for name, value in consolidated.items():
+        assert torch.equal(written[name], value), name
