@@ -22,7 +22,9 @@ them, as DeepSpeed's ``expert_*`` files are written.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch.nn as nn
 
@@ -128,6 +130,37 @@ class ExpertNames:
             rests = [part[1] for n in names if (part := block.split(n)) and part[0] == 0]
             num_experts = block.ep_size * block.num_local_experts
             out.extend(f"{block.prefix}{g}.{rest}" for g in range(num_experts) for rest in rests)
+        return out
+
+    def local_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` in this rank's local names, for ``module.load_state_dict``.
+
+        A state dict of the ``ep_size=1`` model (global expert ids, as ``save_16bit_model``
+        writes and checkpoints consolidate to) keeps this rank's experts, renamed to local
+        ids, and drops the other ranks'; one already in local names (no expert id beyond
+        ``num_local_experts``, e.g. this rank's own ``module.state_dict()``) is unchanged.
+        """
+        out = dict(state)
+        for block in self.blocks:
+            ids = {found[0] for key in state if (found := block.split(key)) is not None}
+            if not ids or max(ids) < block.num_local_experts:
+                continue  # local names already (or no experts of this layer at all)
+            num_experts = block.ep_size * block.num_local_experts
+            if max(ids) >= num_experts:
+                raise ValueError(
+                    f"state dict entry {block.prefix}{max(ids)}.* names expert {max(ids)}, but "
+                    f"the layer has {num_experts} experts (ids 0..{num_experts - 1}); the state "
+                    "dict is of another model."
+                )
+            base = block.ep_rank * block.num_local_experts
+            for key in state:
+                found = block.split(key)
+                if found is None:
+                    continue
+                del out[key]
+                global_id, rest = found
+                if base <= global_id < base + block.num_local_experts:
+                    out[f"{block.prefix}{global_id - base}.{rest}"] = state[key]
         return out
 
 

@@ -509,7 +509,12 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
         """Load a full state dict (every rank passes the same one; at stage 3 the shards and
-        masters are updated too; with tensor parallelism each rank takes its slices)."""
+        masters are updated too; with tensor parallelism each rank takes its slices; with
+        expert parallelism each rank takes its experts from the ``ep_size=1`` model's dict
+        that ``save_16bit_model`` writes, or a dict in its own local names as is)."""
+        from shardspeed.checkpoint.expert_placement import ExpertNames
+
+        state_dict = ExpertNames.of(self.module).local_state(state_dict)
         if self.topology.size("tensor") > 1:
             from shardspeed.parallel.tensor.state import load_full_state_dict
             from shardspeed.zero.init import GatheredParameters

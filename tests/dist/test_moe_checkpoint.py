@@ -218,18 +218,28 @@ def _export_run(root: str, stage: int) -> dict[str, torch.Tensor]:
     engine.save_checkpoint(f"{root}/ckpt", tag="t")
     consolidated = engine._zero3_consolidated_16bit_state_dict()
     engine.destroy()
+    # the export loads back at ep 2: each rank takes its own experts from global ids
+    fresh = _engine(2, stage, seed=1, gather_16bit=True)
+    written = torch.load(f"{root}/export/pytorch_model.bin", weights_only=True)
+    fresh.load_state_dict(written)
+    assert fresh.save_16bit_model(f"{root}/reexport") is True
+    fresh.destroy()
     return consolidated
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_save_16bit_model_at_ep2_writes_every_global_expert(tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize("world,stage", [(2, 0), (2, 2), (2, 3), (4, 3)])
+def test_save_16bit_model_at_ep2_writes_every_global_expert(
+    tmp_path: Path, world: int, stage: int
+) -> None:
     """The export is the ep-1 model holding all 4 experts (rank 1's local 0, 1 under global
     ids 2, 3), equal to the checkpoint's consolidated weights, loadable strictly into an
-    ``ep_size=1`` module; Accelerate's ``_zero3_consolidated_16bit_state_dict`` matches."""
+    ``ep_size=1`` module; Accelerate's ``_zero3_consolidated_16bit_state_dict`` matches;
+    ``engine.load_state_dict`` of it into a fresh ep-2 engine gives every rank its own
+    experts back (re-exported: equal)."""
     from shardspeed.checkpoint import get_fp32_state_dict_from_checkpoint
 
-    consolidated = run_distributed(_export_run, 2, str(tmp_path), stage, timeout=300)
-    assert consolidated[1] == {}
+    consolidated = run_distributed(_export_run, world, str(tmp_path), stage, timeout=300)
+    assert all(part == {} for part in consolidated[1:])
     written = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
     reference = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt", tag="t")
     ep1 = _Net(1, 1)
@@ -240,10 +250,27 @@ def test_save_16bit_model_at_ep2_writes_every_global_expert(tmp_path: Path, stag
         assert torch.equal(consolidated[0][name], value), name
     experts = {n.split(".")[4] for n in written if n.startswith(EXPERT_PREFIX)}
     assert experts == {str(i) for i in range(EXPERTS)}
+    reloaded = torch.load(tmp_path / "reexport" / "pytorch_model.bin", weights_only=True)
+    assert list(reloaded) == list(written)
+    for name, value in written.items():
+        assert torch.equal(reloaded[name], value), f"load_state_dict at ep 2: {name}"
     # the experts differ (so a mix-up of ids would show)
     assert not torch.equal(
         written[f"{EXPERT_PREFIX}0.0.weight"], written[f"{EXPERT_PREFIX}2.0.weight"]
     )
+
+
+def test_local_state_takes_this_ranks_experts_from_global_ids() -> None:
+    from shardspeed.checkpoint.expert_placement import ExpertBlock, ExpertNames
+
+    prefix = "moe.experts.deepspeed_experts."
+    names = ExpertNames([ExpertBlock(prefix, 2, 2, ep_rank=1, expert_data_rank=0)])
+    glob = {"dense.w": 0, **{f"{prefix}{g}.w": g for g in range(4)}}
+    assert names.local_state(glob) == {"dense.w": 0, f"{prefix}0.w": 2, f"{prefix}1.w": 3}
+    local = {"dense.w": 0, f"{prefix}0.w": 5, f"{prefix}1.w": 6}
+    assert names.local_state(local) == local  # already this rank's names
+    with pytest.raises(ValueError, match="names expert 7, but the layer has 4 experts"):
+        names.local_state({f"{prefix}7.w": 0})
 
 
 # -- DeepSpeed's MoE layout --------------------------------------------------------------
