@@ -154,12 +154,19 @@ def _export(spec: PipeSpec, root: str) -> list[str]:
     assert engine.save_16bit_model(f"{root}/export") is True
     keys = list(engine.module.state_dict())
     engine.destroy()
+    # the file loads back: each stage takes its own layers (and ties) from it
+    fresh = _engine(spec, base_seed=4321)
+    fresh.load_state_dict(torch.load(f"{root}/export/pytorch_model.bin", weights_only=True))
+    assert fresh.save_16bit_model(f"{root}/reexport") is True
+    fresh.destroy()
     return keys
 
 
 def test_save_16bit_model_writes_every_stage(tmp_path: Path) -> None:
     """pp 2 x dp 2: rank 0 holds stage 0's layers only; the export holds every stage's
-    (the tied embedding once), equal to the checkpoint's consolidated weights (fp32)."""
+    (the tied embedding once), equal to the checkpoint's consolidated weights (fp32), and
+    ``engine.load_state_dict`` of it into a fresh (other seeds) engine restores every stage
+    (re-exported: equal)."""
     per_rank = run_distributed(_export, 4, _spec(2, 2), str(tmp_path), timeout=300)
     written = torch.load(tmp_path / "export" / "pytorch_model.bin", weights_only=True)
     consolidated = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt", tag="t")
@@ -169,3 +176,7 @@ def test_save_16bit_model_writes_every_stage(tmp_path: Path) -> None:
     assert list(written).count(TIED) == 1
     for name, value in consolidated.items():
         assert torch.equal(written[name], value), name
+    reloaded = torch.load(tmp_path / "reexport" / "pytorch_model.bin", weights_only=True)
+    assert list(reloaded) == list(written)
+    for name, value in written.items():
+        assert torch.equal(reloaded[name], value), f"load_state_dict: {name}"

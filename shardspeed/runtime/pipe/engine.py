@@ -265,6 +265,11 @@ class PipelineEngine(ShardSpeedEngine):
         """Tied copies owned by a lower stage: a checkpoint load fills them, a save skips them."""
         return self.module.replicated_parameters()
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        """Load this stage's part of a state dict: the whole model's (``save_16bit_model``'s
+        file, every layer under its global index) or this stage's own."""
+        return super().load_state_dict(self.module.stage_state(state_dict), strict, assign)
+
     # -- calls that make no sense on a pipeline --------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(

@@ -8,7 +8,7 @@ parameter names are stable whatever the partition; tied modules live in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -234,6 +234,24 @@ class PipelineModule(nn.Module):
     def stage_layer_indices(self, chunk: int = 0) -> list[int]:
         """Global indices of the layers of local ``chunk``."""
         return list(self._chunk_layer_indices[chunk])
+
+    def stage_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """``state`` without the other stages' entries, for ``load_state_dict`` of a whole
+        model's dict (every layer under its global index, as ``save_16bit_model`` writes):
+        layer ``<i>.*`` entries of layers on other stages and ``tied_modules.<key>.*``
+        entries of ties this stage does not hold are dropped; the rest is kept (so a
+        missing entry of this stage's still fails a strict load)."""
+        local = {str(i) for chunk in self._chunk_layer_indices for i in chunk}
+        num_layers = len(self._layer_specs)
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            head, _, rest = key.partition(".")
+            if head.isdigit() and int(head) < num_layers and head not in local:
+                continue  # another stage's layer
+            if head == "tied_modules" and rest.partition(".")[0] not in self.tied_modules:
+                continue  # a tie held by other stages only
+            out[key] = value
+        return out
 
     def tie_owners(self) -> dict[str, list[int]]:
         """For every tie key: the stages holding a layer with that key (ascending)."""
