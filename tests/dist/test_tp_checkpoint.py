@@ -364,6 +364,7 @@ def _pipe_jobs(job: dict[str, Any]) -> Any:
         it = batches(range(SAVE_AT))
         losses = [float(engine.train_batch(it)) for _ in range(SAVE_AT)]
         engine.save_checkpoint(job["dir"])
+        assert engine.save_16bit_model(f"{job['dir']}-export")  # every stage, tp gathered
     else:
         engine = _pipe_engine(job["tp"], base_seed=77)  # other initial weights
         engine.load_checkpoint(job["dir"])
@@ -376,13 +377,21 @@ def _pipe_jobs(job: dict[str, Any]) -> Any:
 
 def test_pipeline_tp_checkpoint_reshards_tp(tmp_path: Path) -> None:
     """pp=2 x tp=2 (4 ranks, Megatron layers) saves after 3 steps; pp=2 x tp=1 (2 ranks)
-    loads it and trains 3 more: losses and every stage's full weights match one process."""
+    loads it and trains 3 more: losses and every stage's full weights match one process.
+    Its ``save_16bit_model`` file holds both stages' full weights (= the consolidation)."""
     ref_losses, ref_state = _pipe_reference(STEPS)
     ckpt = str(tmp_path / "pp2tp2")
     for rank, (losses, _) in enumerate(
         run_distributed(_pipe_jobs, 4, {"op": "save", "tp": 2, "dir": ckpt}, timeout=300)
     ):
         assert_close_rel(losses, ref_losses[:SAVE_AT], rtol=1e-5, atol=1e-6, msg=f"save {rank}")
+    from shardspeed.checkpoint import get_fp32_state_dict_from_checkpoint
+
+    written = torch.load(f"{ckpt}-export/pytorch_model.bin", weights_only=True)
+    consolidated = get_fp32_state_dict_from_checkpoint(ckpt)
+    assert set(written) == set(consolidated)  # both stages' layers, full (tp-gathered) shapes
+    for name, value in consolidated.items():
+        assert torch.equal(written[name], value), name
     seen: set[str] = set()
     loaded = run_distributed(_pipe_jobs, 2, {"op": "load", "tp": 1, "dir": ckpt}, timeout=300)
     for rank, (losses, full) in enumerate(loaded):
