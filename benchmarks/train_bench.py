@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="dense bf16 peak of one GPU for the MFU column (default: H100/H200 989.4, "
+        "A100 312; other GPUs show no MFU unless given)",
+    )
+    p.add_argument(
         "--nproc", type=int, default=None, help="ranks per launch (default: 2 on CPU, all GPUs)"
     )
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each rank")

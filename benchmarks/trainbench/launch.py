@@ -91,7 +91,22 @@ def bench_header(
         "torch_versions": sorted(
             {torch_version(p) for p in {torch_python, peers} if p is not None}
         ),
+        **_accelerator(args),
     }
+
+
+def _accelerator(args: argparse.Namespace) -> dict[str, Any]:
+    """The GPU's name and the per-device peak the MFU column divides by: ``--peak-tflops``
+    (any device, a CPU too) or, on CUDA, the known-GPU table."""
+    given = getattr(args, "peak_tflops", None)
+    if getattr(args, "device", "cpu") != "cuda":
+        return {"peak_tflops": given} if given else {}
+    import torch
+
+    from trainbench.workload import peak_tflops
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown GPU"
+    return {"gpu": name, "peak_tflops": given or peak_tflops(name)}
 
 
 def run_interleaved(

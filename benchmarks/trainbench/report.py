@@ -6,6 +6,8 @@ from typing import Any
 
 from _bench_common import ratio, render_table
 
+from trainbench.workload import flops_per_token
+
 # For each stage: the peers shardspeed is compared with, as (engine, stage) keys.
 PAIRINGS: dict[int, list[tuple[str, int]]] = {
     0: [("ddp", 0), ("deepspeed", 0)],
@@ -29,12 +31,27 @@ def timing_cells(r: dict[str, Any]) -> list[Any]:
     return times + [_max(r["peak_mem_mb_per_rank"]), _max(r["peak_mem_delta_mb_per_rank"])]
 
 
-def results_table(results: list[dict[str, Any]], markdown: bool) -> str:
-    """One row per launch: step time, throughput, memory, init time, losses."""
+def mfu(r: dict[str, Any], header: dict[str, Any]) -> str | None:
+    """Model FLOPs utilisation of an ok row: achieved training FLOP/s over the devices'
+    dense bf16 peak (None without a known peak, e.g. on CPU)."""
+    peak = header.get("peak_tflops")
+    if not peak or "workload" not in r:
+        return None
+    achieved = flops_per_token(r["workload"]) * r["tokens_per_s"]
+    return f"{achieved / (peak * 1e12 * int(header['nproc'])):.1%}"
+
+
+def results_table(
+    results: list[dict[str, Any]], markdown: bool, header: dict[str, Any] | None = None
+) -> str:
+    """One row per launch: step time, throughput, memory, init time, losses (and MFU
+    where the header carries the devices' peak)."""
     ok = _ok(results)
     ddp = ok.get(("ddp", 0))
+    with_mfu = bool(header and header.get("peak_tflops"))
     headers = ["engine", "stage", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB/rank"]
     headers += ["+MiB/rank", "init s", "loss@1", "loss@end", "time / DDP"]
+    headers += ["MFU"] if with_mfu else []
     rows = []
     for r in results:
         if r.get("status") != "ok":
@@ -50,6 +67,7 @@ def results_table(results: list[dict[str, Any]], markdown: bool) -> str:
                 f"{r['loss_step1']:.5f}",
                 f"{r['loss_final']:.5f}",
                 ratio(r["median_ms"], ddp["median_ms"]) if ddp else None,
+                *([mfu(r, header or {})] if with_mfu else []),
             ]
         )
     return render_table(headers, rows, markdown)
@@ -129,7 +147,8 @@ def loss_check(results: list[dict[str, Any]]) -> dict[str, float]:
 def print_run_header(header: dict[str, Any]) -> None:
     """Date, machine, ranks, threads, torch builds, rounds and the load average of a run."""
     print()
-    print(f"date {header['date']} | {header['machine']} | device {header['device']}")
+    gpu = f" ({header['gpu']})" if header.get("gpu") else ""
+    print(f"date {header['date']} | {header['machine']} | device {header['device']}{gpu}")
     print(
         f"ranks per launch {header['nproc']} | threads per rank {header['threads_per_rank']} "
         f"| torch {', '.join(header['torch_versions'])} | rounds {header['rounds']}"
@@ -170,7 +189,12 @@ def print_report(header: dict[str, Any], results: list[dict[str, Any]], markdown
             f"| DeepSpeed optimizer: {wl['ds_optimizer']}"
         )
     print()
-    print(results_table(results, markdown))
+    print(results_table(results, markdown, header))
+    if header.get("peak_tflops"):
+        print(
+            f"MFU: 6 x matmul weights + 12 L d T FLOPs per token x tok/s over "
+            f"{header['nproc']} x {header['peak_tflops']} TFLOP/s (dense bf16 peak)"
+        )
     print_ratios(ratio_table(results, markdown))
     check = loss_check(results)
     if check:

@@ -79,7 +79,36 @@ PRESETS: dict[str, dict[str, int]] = {
         "block_size": 128,
         "micro_batch": 4,
     },  # fmt: skip
+    # about 1.1B parameters (20 x 2048, GPT-2 vocabulary padded to 50304, seq 1024): the GPU
+    # training benchmark's size, where MFU is meaningful (one H100: bf16 fits at ZeRO 0-3)
+    "1b": {
+        "n_layer": 20,
+        "n_embd": 2048,
+        "n_head": 16,
+        "vocab_size": 50304,
+        "block_size": 1024,
+        "micro_batch": 8,
+    },  # fmt: skip
 }
+
+# Dense bf16 peak of one device, TFLOP/s, by a substring of torch.cuda.get_device_name()
+# (vendor data sheets, SXM parts); MFU is reported against it.
+PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a known GPU (None: unknown; pass ``--peak-tflops``)."""
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_name), None)
+
+
+def flops_per_token(wl: dict[str, Any]) -> float:
+    """Training FLOPs per token of the GPT (forward + backward = 3 x forward): 6 per
+    weight of every matmul (per layer 12 d^2: qkv 3, proj 1, MLP 8; the LM head V d) plus
+    attention's scores and weighted sum, 12 L d T (causal masking not discounted, as in
+    the PaLM / nanoGPT MFU formula)."""
+    layers, width, seq = wl["n_layer"], wl["n_embd"], wl["block_size"]
+    matmul_weights = layers * 12 * width * width + wl["vocab_size"] * width
+    return 6.0 * matmul_weights + 12.0 * layers * width * seq
 
 
 def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload | None = None) -> None:
@@ -95,7 +124,8 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload | None
             "--preset",
             choices=sorted(PRESETS),
             default=None,
-            help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, micro 4)",
+            help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, "
+            "micro 4; 1b: 20 layers, width 2048, vocab 50304, seq 1024, micro 8)",
         )
     g.add_argument("--n-layer", type=int, default=d.n_layer)
     g.add_argument("--n-embd", type=int, default=d.n_embd)
