@@ -107,6 +107,8 @@ def build_model(vocab: int, seed: int) -> torch.nn.Module:
     return model
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 # ---- drivers --------------------------------------------------------------------------------
 
 
@@ -163,6 +165,7 @@ def run_hf(model, requests: list[tuple[list[int], int]], clients: int) -> list[R
         for row, (prompt, _) in enumerate(batch):
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
+        ids, mask = ids.to(model.device), mask.to(model.device)
         max_new = max(g for _, g in batch)
         clock = _StepClock()
         t0 = time.perf_counter()
@@ -262,8 +265,8 @@ def make_engine(model, scheduler: str, args: argparse.Namespace, max_tokens: int
         max_ragged_batch_size=args.max_ragged_batch_size,
         max_ragged_sequence_count=max(64, max_clients),
         max_seq_len=max_tokens + args.block_size,
-        dtype=torch.float32,
-        device="cpu",
+        dtype=DTYPES[args.dtype],
+        device=args.device,
     )
 
 
@@ -289,10 +292,17 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="default: fp32 on CPU, bf16 on CUDA"
+    )
     p.add_argument(
         "--repeats", type=int, default=1, help="interleaved rounds per point; the fastest is kept"
     )
     args = p.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.clients = sorted(int(c) for c in args.clients.split(","))
     per_client = args.requests_per_client or 4
     min_requests = args.min_requests or (4 if args.quick else 8)
@@ -308,7 +318,11 @@ def main() -> None:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
 
-    model = build_model(args.vocab, args.seed)
+    model = build_model(args.vocab, args.seed).to(args.device, DTYPES[args.dtype])
+    from _bench_common import machine_description
+
+    where = torch.cuda.get_device_name() if args.device == "cuda" else machine_description()
+    print(f"device {args.device} ({where}), {args.dtype}", flush=True)
     max_tokens = max(w.prompt_max + w.gen_max for w in chosen)
     ours = {s: make_engine(model, s, args, max_tokens) for s in engines if s != "hf"}
     warm = [([5] * 16, 4)]

@@ -138,7 +138,7 @@ def test_model_4x_over_budget_generates_within_budget(monkeypatch):
     assert peak == streamer.device_weight_bytes + kv_bytes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_load_peak_stays_under_budget():
     model = _llama(num_layers=12, hidden=128)  # on the host, like a checkpoint
     weight_bytes = _storage_bytes([*model.parameters(), *model.buffers()])
