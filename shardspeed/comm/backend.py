@@ -29,6 +29,10 @@ logger = get_logger(__name__)
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 TIMEOUT_ENV = "SHARDSPEED_COMM_TIMEOUT"  # seconds
 DEEPSPEED_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"  # minutes (DeepSpeed's variable)
+# Joining the world (store connection, gloo/NCCL mesh set-up) waits at least this long for
+# late ranks, however short the collective timeout: ranks of one job start seconds apart.
+RENDEZVOUS_TIMEOUT_ENV = "SHARDSPEED_RENDEZVOUS_TIMEOUT"  # seconds
+MIN_RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass
@@ -66,6 +70,26 @@ def resolve_timeout(timeout: timedelta | None, environ: Mapping[str, str]) -> ti
             )
         return timedelta(seconds=value) if unit == "seconds" else timedelta(minutes=value)
     return DEFAULT_TIMEOUT
+
+
+def resolve_rendezvous_timeout(timeout: timedelta, environ: Mapping[str, str]) -> timedelta:
+    """How long joining the world may wait for late ranks: the environment's
+    ``SHARDSPEED_RENDEZVOUS_TIMEOUT`` seconds, else the longer of ``timeout`` (the collective
+    timeout) and 5 minutes."""
+    text = environ.get(RENDEZVOUS_TIMEOUT_ENV, "").strip()
+    if not text:
+        return max(timeout, MIN_RENDEZVOUS_TIMEOUT)
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"environment variable {RENDEZVOUS_TIMEOUT_ENV}={text!r} must be a positive number "
+            "of seconds (how long joining the job waits for late ranks); unset it for the "
+            "default, the longer of the collective timeout and 5 minutes."
+        )
+    return timedelta(seconds=value)
 
 
 def group_timeout(group: Any) -> timedelta | None:
@@ -165,13 +189,17 @@ def init_distributed(
     else:
         addr = _resolve_master_addr(env)
         _export_env(env, addr)
+        # joining waits for late ranks longer than a (short) collective timeout allows
+        rendezvous = resolve_rendezvous_timeout(timeout, os.environ)
         dist.init_process_group(
             backend,
             init_method=init_method or f"tcp://{addr}:{env.master_port}",
             rank=env.rank,
             world_size=env.world_size,
-            timeout=timeout,
+            timeout=rendezvous,
         )
+        if rendezvous != timeout:
+            _set_collective_timeout(timeout)
         from shardspeed.comm.blame import install  # failure records for blame reports
 
         install()
@@ -181,6 +209,13 @@ def init_distributed(
             f"initialised torch.distributed: backend={backend}, world_size={env.world_size}, "
             f"source={env.source}, timeout={timeout}"
         )
+
+
+def _set_collective_timeout(timeout: timedelta) -> None:
+    """Give the world group's backend ``timeout`` for its collectives (after joining)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, dist.group.WORLD)
 
 
 def is_initialized() -> bool:
