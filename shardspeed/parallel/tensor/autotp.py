@@ -31,6 +31,7 @@ from torch import nn
 
 from shardspeed import comm
 from shardspeed.parallel.tensor.cross_entropy import VocabParallelCausalLMLoss
+from shardspeed.parallel.tensor.empty_heads import guard_empty_attention
 from shardspeed.parallel.tensor.groups import topology_for
 from shardspeed.parallel.tensor.layers import (
     ColumnParallelLinear,
@@ -153,6 +154,7 @@ def shard_model(
 
     if empty:
         # as DeepSpeed: a width-0 rank adds zeros to the row-parallel sum, so results are exact
+        guard_empty_attention(model, comm.get_rank(group))  # no kernel sees zero heads
         log_dist(
             f"AutoTP: {len(empty)} layers have zero-width shards on some of the {tp_size} tensor "
             f"ranks (num_kv_heads={num_kv_heads}); those ranks hold none of them, e.g. {empty[0]}.",
