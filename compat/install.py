@@ -43,9 +43,34 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:  # build out of tree: no build/ in the repo
         source = Path(tmp) / "deepspeed"
         shutil.copytree(SOURCE, source)
-        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps"]
+        if builds_wheels_here():  # offline-safe: this environment's setuptools builds it
+            cmd.append("--no-build-isolation")
+        else:
+            sys.stderr.write(
+                "compat: this environment's setuptools cannot build wheels (needs >= 70.1, or "
+                "the `wheel` package); building in an isolated environment, which downloads "
+                "setuptools. Offline, `pip install 'setuptools>=70.1'` first.\n"
+            )
         cmd += ["--upgrade", "--target", args.target] if args.target else []
         return subprocess.call([*cmd, str(source)])
+
+
+def builds_wheels_here() -> bool:
+    """Whether ``pip install --no-build-isolation`` can build the shim here: setuptools >=
+    70.1 has ``bdist_wheel`` built in; older ones need the ``wheel`` package."""
+    try:
+        version = importlib.metadata.version("setuptools")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    parts = [int(p) if p.isdigit() else 0 for p in version.split(".")[:2]]
+    if tuple(parts + [0] * (2 - len(parts))) >= (70, 1):
+        return True
+    try:
+        importlib.metadata.version("wheel")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -95,12 +95,18 @@ def reference(steps: int, precision: str = "fp32") -> tuple[list[float], float]:
     return losses, eval_loss
 
 
+def _mse_fp32(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss in fp32 whatever the activations' dtype: torch 2.11's ``mse_loss`` cannot
+    differentiate a bf16 output against an fp32 target (2.13 can)."""
+    return F.mse_loss(out.float(), target.float())
+
+
 def _engine(precision: str = "fp32", **module_kwargs: Any) -> Any:
     import shardspeed
     from shardspeed.pipe import PipelineModule
 
     net = PipelineModule(
-        layers(), num_stages=2, loss_fn=F.mse_loss, seed_layers=True, **module_kwargs
+        layers(), num_stages=2, loss_fn=_mse_fp32, seed_layers=True, **module_kwargs
     )
     extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
     if precision == "fp16":
