@@ -56,19 +56,11 @@ def resolve_timeout(timeout: timedelta | None, environ: Mapping[str, str]) -> ti
             )
         return timeout
     for name, unit in ((TIMEOUT_ENV, "seconds"), (DEEPSPEED_TIMEOUT_ENV, "minutes")):
-        text = environ.get(name, "").strip()
-        if not text:
-            continue
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(
-                f"environment variable {name}={text!r} must be a positive number of {unit} "
-                f"(the process-group timeout); unset it for the default of 30 minutes."
-            )
-        return timedelta(seconds=value) if unit == "seconds" else timedelta(minutes=value)
+        found = _env_duration(
+            environ, name, unit, "the process-group timeout", "the default of 30 minutes"
+        )
+        if found is not None:
+            return found
     return DEFAULT_TIMEOUT
 
 
@@ -76,20 +68,34 @@ def resolve_rendezvous_timeout(timeout: timedelta, environ: Mapping[str, str]) -
     """How long joining the world may wait for late ranks: the environment's
     ``SHARDSPEED_RENDEZVOUS_TIMEOUT`` seconds, else the longer of ``timeout`` (the collective
     timeout) and 5 minutes."""
-    text = environ.get(RENDEZVOUS_TIMEOUT_ENV, "").strip()
+    found = _env_duration(
+        environ,
+        RENDEZVOUS_TIMEOUT_ENV,
+        "seconds",
+        "how long joining the job waits for late ranks",
+        "the default, the longer of the collective timeout and 5 minutes",
+    )
+    return found if found is not None else max(timeout, MIN_RENDEZVOUS_TIMEOUT)
+
+
+def _env_duration(
+    environ: Mapping[str, str], name: str, unit: str, meaning: str, default: str
+) -> timedelta | None:
+    """The positive duration in ``environ[name]`` (``unit``: seconds or minutes); None when
+    unset; a ValueError naming the variable, its value, ``meaning`` and ``default`` else."""
+    text = environ.get(name, "").strip()
     if not text:
-        return max(timeout, MIN_RENDEZVOUS_TIMEOUT)
+        return None
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not value > 0:
         raise ValueError(
-            f"environment variable {RENDEZVOUS_TIMEOUT_ENV}={text!r} must be a positive number "
-            "of seconds (how long joining the job waits for late ranks); unset it for the "
-            "default, the longer of the collective timeout and 5 minutes."
+            f"environment variable {name}={text!r} must be a positive number of {unit} "
+            f"({meaning}); unset it for {default}."
         )
-    return timedelta(seconds=value)
+    return timedelta(seconds=value) if unit == "seconds" else timedelta(minutes=value)
 
 
 def group_timeout(group: Any) -> timedelta | None:
