@@ -311,7 +311,7 @@ def _owner(root: type[ConfigModel], loc: tuple[Any, ...]) -> type[ConfigModel] |
     return cls
 
 
-def _nested_home(owner: type[ConfigModel], key: str) -> str | None:
+def nested_home(owner: type[ConfigModel], key: str) -> str | None:
     """``block.key`` if ``key`` is a key of one of ``owner``'s sub-blocks (misplaced key)."""
     for name, field in owner.model_fields.items():
         sub = model_in(field.annotation)
@@ -347,7 +347,7 @@ def _pydantic_issue(err: dict[str, Any], root: type[ConfigModel], prefix: str) -
     key = loc[-1] if loc else ""
     if kind == "extra_forbidden":
         candidates = owner.known_keys() if owner is not None else set()
-        home = _nested_home(owner, str(key)) if owner is not None else None
+        home = nested_home(owner, str(key)) if owner is not None else None
         guess = None if home is not None else did_you_mean(str(key), candidates)
         if home is not None:
             fix = (

@@ -8,11 +8,18 @@ it), with a message that says what to use instead. A block that is present but d
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardspeed.config.base import ConfigError, ConfigIssue, explain
+from shardspeed.config.base import ConfigError, ConfigIssue, did_you_mean, explain, nested_home
 from shardspeed.utils.logging import warning_once
+
+if TYPE_CHECKING:
+    from shardspeed.config.base import ConfigModel
+
+STRICT_ENV = "SHARDSPEED_STRICT_CONFIG"
+"""Set to 1 to refuse unknown top-level keys (DeepSpeed, and ShardSpeed by default, ignore them)."""
 
 
 @dataclass(frozen=True)
@@ -136,3 +143,53 @@ def split_unmodelled(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, An
     if issues:
         raise ConfigError.from_issues(issues)
     return rest, ignored
+
+
+def _unknown_hint(owner: type[ConfigModel], key: str) -> str:
+    """What an unknown top-level ``key`` most likely meant, as a sentence fragment."""
+    head, dot, tail = key.partition(".")
+    if dot and head in owner.known_keys():
+        # TRL and others write nested keys as dotted top-level names: DeepSpeed ignores them
+        return (
+            f"it looks like the nested key '{head}.{tail}', but a dotted top-level name is not "
+            f'nested; to set it write {{"{head}": {{"{tail}": ...}}}}'
+        )
+    home = nested_home(owner, key)
+    if home is not None:
+        return f"this key belongs inside a block: did you mean '{home}'?"
+    guess = did_you_mean(key, owner.known_keys())
+    if guess is not None:
+        return f"did you mean '{guess}'?"
+    return "remove it or correct the spelling"
+
+
+def split_unknown(
+    owner: type[ConfigModel], data: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Remove the top-level keys ``owner`` does not know: returns ``(rest, unknown)``.
+
+    DeepSpeed ignores unknown top-level keys, and frameworks rely on it (TRL's
+    ``prepare_deepspeed`` adds ``"zero_optimization.reduce_bucket_size"`` at the top level), so
+    each one is ignored with one warning naming it and what it looks like. With
+    ``SHARDSPEED_STRICT_CONFIG=1`` they are refused instead.
+
+    Raises:
+        ConfigError: in strict mode, listing every unknown key.
+    """
+    known = owner.known_keys()
+    rest = {key: value for key, value in data.items() if key in known}
+    unknown = {key: value for key, value in data.items() if key not in known}
+    strict = os.environ.get(STRICT_ENV, "0").strip().lower() in ("1", "true", "yes")
+    if strict and unknown:
+        raise ConfigError.from_issues(
+            [
+                ConfigIssue(key, explain("unknown key", value, fix=_unknown_hint(owner, key)))
+                for key, value in unknown.items()
+            ]
+        )
+    for key in unknown:
+        warning_once(
+            f"ds_config top-level key '{key}' is unknown and ignored, as DeepSpeed ignores it "
+            f"({_unknown_hint(owner, key)}); set {STRICT_ENV}=1 to make unknown keys errors"
+        )
+    return rest, unknown

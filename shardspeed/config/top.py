@@ -1,8 +1,9 @@
 """``ShardSpeedConfig``: the whole ds_config, typed.
 
 Built once (by :func:`shardspeed.config.load_config`); the runtime reads typed fields and
-never the raw dict. Top-level keys are checked too (``extra="forbid"``, unlike DeepSpeed):
-a misspelt key is an error with a "did you mean", and the keys ShardSpeed knows but does not
+never the raw dict. An unknown top-level key is ignored, as DeepSpeed ignores it, but never
+silently: one warning names it with a "did you mean" (``SHARDSPEED_STRICT_CONFIG=1`` makes it
+an error); unknown keys inside a block are errors. The keys ShardSpeed knows but does not
 model are listed in :mod:`shardspeed.config.legacy` (warned about or rejected, never dropped
 silently). Every accepted key has a status in :mod:`shardspeed.config.key_status` (used,
 refused when set to a value that is not implemented, or warned about once when it has no
@@ -22,7 +23,7 @@ from shardspeed.config.batch import resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
 from shardspeed.config.collective_check import CollectiveCheckConfig
 from shardspeed.config.key_status import check_key_status
-from shardspeed.config.legacy import UNMODELLED_KEYS, split_unmodelled
+from shardspeed.config.legacy import UNMODELLED_KEYS, split_unknown, split_unmodelled
 from shardspeed.config.monitoring import (
     CometConfig,
     CommsLoggerConfig,
@@ -263,6 +264,8 @@ class ShardSpeedConfig(ConfigModel):
             return handler(data)
         raw = copy.deepcopy(data)
         rest, ignored = split_unmodelled(data)
+        rest, unknown = split_unknown(cls, rest)
+        ignored.update(unknown)
         config = handler(rest)
         config._raw = raw
         config._ignored = ignored

@@ -74,20 +74,25 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             attach = getattr(module, "set_deepspeed_parallelism", None)
             if callable(attach):
                 attach()
-        groups = collect_param_groups(model, optimizer, model_parameters)
-        groups = split_expert_groups(groups, isinstance(optimizer, torch.optim.Optimizer))
+        all_groups = collect_param_groups(model, optimizer, model_parameters)
+        all_groups = split_expert_groups(all_groups, isinstance(optimizer, torch.optim.Optimizer))
+        # empty / frozen-only groups stay in the optimizer (schedulers and checkpoints count
+        # groups, as in DeepSpeed) but hold no shard: only the others are sharded
+        groups = [g for g in all_groups if g["params"]]
         numel = sum(full_numel(p) for g in groups for p in g["params"])
         self.offload = self._build_offload(optimizer, numel)
         self.shard_axes = [self._shard_axis(g) for g in groups]
         self.sharding = build_sharding(self._sharding_context(), groups, model)
         self.flat_groups = self.sharding.groups
+        masters = iter([g.masters for g in self.flat_groups])
         self.basic_optimizer = rebind_optimizer(
             optimizer,
             config.optimizer,
-            groups,
-            [g.masters for g in self.flat_groups],
+            all_groups,
+            [next(masters) if g["params"] else [] for g in all_groups],
             offload=self.offload.offload_optimizer,
         )
+        self._sharded_group_mask = [bool(g["params"]) for g in all_groups]
         self._attach_self_reducing_optimizer()
         self._give_param_segments()
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
@@ -212,15 +217,23 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
                 "parallel shards would need summed over the tensor axis (not implemented). "
                 "Fix: use an elementwise optimizer (Adam, AdamW, SGD, Lion) with tensor_parallel."
             )
-        segments, groups = [], []
-        for group, axis in zip(self.flat_groups, self.shard_axes):
+        segments, groups, counts = [], [], []
+        sharded = iter(zip(self.flat_groups, self.shard_axes))
+        for has_shard in self._sharded_group_mask:  # one entry per optimizer param group
+            if not has_shard:
+                segments.append([])
+                groups.append(None)
+                counts.append(0)
+                continue
+            group, axis = next(sharded)
             index = {id(p): i for i, p in enumerate(group.params)}
             per_master: list[list[tuple[int, int, int]]] = [[] for _ in group.masters]
             for f in param_fragments(group):
                 per_master[f.master_index].append((f.local, f.length, index[id(f.param)]))
             segments.append(per_master)
             groups.append(axis.group if self.stage >= 1 and axis.size > 1 else None)
-        opt.set_param_segments(segments, groups, [len(g.params) for g in self.flat_groups])
+            counts.append(len(group.params))
+        opt.set_param_segments(segments, groups, counts)
 
     def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
         """The ranks a param group is sharded and reduced over: the data axis, or the

@@ -20,7 +20,10 @@ def collect_param_groups(
     """The parameter groups to shard: from a client optimizer, ``model_parameters`` or the module.
 
     Each group is a dict with ``params`` (deduplicated, trainable only) and the group's
-    hyperparameters. Tied parameters appear once, in the first group that lists them.
+    hyperparameters. Tied parameters appear once, in the first group that lists them. Groups
+    left empty (none given, or frozen-only, as the Hugging Face Trainer's no-decay group of a
+    LoRA fine-tune) are kept, as DeepSpeed keeps them: the optimizer and LR scheduler see the
+    same number of groups the caller built.
     """
     if isinstance(optimizer, torch.optim.Optimizer):
         raw = [dict(g) for g in optimizer.param_groups]
@@ -57,7 +60,13 @@ def collect_param_groups(
             f"{len(foreign)} parameter(s) given to the optimizer are not parameters of the "
             "model passed to initialize(); pass the model's own parameters."
         )
-    return [g for g in groups if g["params"]]
+    if not any(g["params"] for g in groups):
+        raise ValueError(
+            "initialize() found no trainable parameter: every parameter given (model_parameters, "
+            "the optimizer's param groups or the model's) has requires_grad=False. Fix: unfreeze "
+            "the parameters to train, or pass the model without an optimizer for inference."
+        )
+    return groups
 
 
 def rebind_optimizer(
@@ -83,10 +92,9 @@ def rebind_optimizer(
         for g, m in zip(groups, master_params)
     ]
     if isinstance(optimizer, torch.optim.Optimizer):
-        if len(optimizer.param_groups) != len(groups):
-            raise ValueError(
-                "the client optimizer has param groups with no trainable parameters; "
-                "remove empty or frozen-only groups before calling initialize()."
+        if len(optimizer.param_groups) != len(groups):  # internal: groups come from it
+            raise AssertionError(
+                f"{len(groups)} groups for {len(optimizer.param_groups)} optimizer groups"
             )
         if optimizer.state:
             raise ValueError(

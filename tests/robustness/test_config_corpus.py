@@ -95,7 +95,6 @@ CASES: list[tuple[str, dict, str, Any, str]] = [
     ("fractional accumulation", {"gradient_accumulation_steps": 2.5}, "gradient_accumulation_steps", 2.5, "use an integer"),
     ("micro batch in words", {"train_micro_batch_size_per_gpu": "eight"}, "train_micro_batch_size_per_gpu", "eight", "use an integer"),
     ("micro batch fraction", {"train_micro_batch_size_per_gpu": 0.5}, "train_micro_batch_size_per_gpu", 0.5, "use an integer"),
-    ("accumulation typo", {"gradient_accumulation_step": 4}, "gradient_accumulation_step", 4, "did you mean 'gradient_accumulation_steps'?"),
     ("negative clipping", {"gradient_clipping": -1.0}, "gradient_clipping", -1.0, "(default 1.0)"),
     ("clipping as a list", {"gradient_clipping": [1.0]}, "gradient_clipping", [1.0], "use a number"),
     ("predivide zero", {"gradient_predivide_factor": 0}, "gradient_predivide_factor", 0, "(default 1.0)"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from shardspeed.config import ConfigError, OffloadOptimizerConfig, ZeroConfig, load_config
@@ -24,20 +26,52 @@ def test_unknown_nested_key_did_you_mean():
     assert "unknown key" in str(err) and "did you mean 'reduce_bucket_size'?" in str(err)
 
 
-def test_unknown_top_level_key_did_you_mean():
-    err = error_for({"train_batch_size": 8, "zero_optimisation": {"stage": 2}})
-    assert paths(err) == ["zero_optimisation"]
-    assert "did you mean 'zero_optimization'?" in str(err)
+def warned_for(source, caplog) -> str:
+    """Load ``source`` (which must succeed) and return the warnings it logged."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_config(source)
+    return caplog.text
 
 
-def test_unknown_top_level_key_without_match_lists_allowed_keys():
-    err = error_for({"qwertyuiop": 1})
-    assert "Allowed:" in str(err) and "train_batch_size" in str(err) and "got 1" in str(err)
+def test_unknown_top_level_key_is_ignored_with_did_you_mean(caplog):
+    # DeepSpeed ignores unknown top-level keys; ShardSpeed too, but never silently
+    text = warned_for({"train_batch_size": 8, "zero_optimisation": {"stage": 2}}, caplog)
+    assert "'zero_optimisation' is unknown and ignored" in text
+    assert "did you mean 'zero_optimization'?" in text
 
 
-def test_misplaced_key_points_to_its_block():
-    err = error_for({"train_batch_size": 8, "offload_optimizer": {"device": "cpu"}})
-    assert "did you mean 'zero_optimization.offload_optimizer'?" in str(err)
+def test_dotted_top_level_key_names_the_nested_key(caplog):
+    # what TRL's prepare_deepspeed writes for its reference model at ZeRO-3
+    config = {
+        "train_batch_size": 8,
+        "zero_optimization": {"stage": 3},
+        "zero_optimization.reduce_bucket_size": 4096,
+        "zero_optimization.stage3_prefetch_bucket_size": 3686.4,
+    }
+    text = warned_for(config, caplog)
+    assert "'zero_optimization.reduce_bucket_size' is unknown and ignored" in text
+    assert '{"zero_optimization": {"reduce_bucket_size": ...}}' in text
+    assert "'zero_optimization.stage3_prefetch_bucket_size'" in text
+    loaded = load_config(config)
+    assert "zero_optimization.reduce_bucket_size" in loaded.ignored_keys
+
+
+def test_unknown_top_level_key_without_match(caplog):
+    text = warned_for({"qwertyuiop": 1}, caplog)
+    assert "'qwertyuiop' is unknown and ignored" in text and "correct the spelling" in text
+
+
+def test_misplaced_key_points_to_its_block(caplog):
+    text = warned_for({"train_batch_size": 8, "offload_optimizer": {"device": "cpu"}}, caplog)
+    assert "did you mean 'zero_optimization.offload_optimizer'?" in text
+
+
+def test_strict_mode_refuses_unknown_top_level_keys(monkeypatch):
+    monkeypatch.setenv("SHARDSPEED_STRICT_CONFIG", "1")
+    err = error_for({"train_batch_size": 8, "zero_optimisation": {"stage": 2}, "qwertyuiop": 1})
+    assert paths(err) == ["zero_optimisation", "qwertyuiop"]
+    assert "did you mean 'zero_optimization'?" in str(err) and "got 1" in str(err)
 
 
 def test_bad_zero_stage():
