@@ -11,6 +11,7 @@ Unknown keys fail with a "did you mean" hint (the shared :class:`ConfigModel` be
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ from pydantic import Field, field_validator, model_validator
 
 from shardspeed.config.base import ConfigError, ConfigModel, Int, explain, one_of
 from shardspeed.utils.logging import warning_once
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
@@ -52,6 +55,12 @@ class InferenceTPConfig(ConfigModel):
                 "splits MLP and lm_head features near-evenly per element (results are unchanged)."
             )
         return value
+
+
+def _is_int8(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("int8", "torch.int8")
+    return value is torch.int8
 
 
 class DeepSpeedInferenceConfig(ConfigModel):
@@ -119,20 +128,36 @@ class DeepSpeedInferenceConfig(ConfigModel):
             return _DTYPES[value.strip().lower()]
         if isinstance(value, torch.dtype) and value in _SUPPORTED_DTYPES:
             return value
-        if value in (torch.int8, "int8", "torch.int8"):
-            raise ValueError(
-                explain(
-                    "int8 is not a compute dtype here", str(value),
-                    fix='keep dtype fp16/bf16/fp32 and pass quant={"enabled": true, "weight": '
-                    '{"num_bits": 8}} for int8 weights',
-                )
-            )  # fmt: skip
         raise ValueError(
             explain(
                 "unsupported dtype", str(value),
                 one_of(["torch.float16", "torch.bfloat16", "torch.float32", "fp16", "bf16", "fp32"]),
             )
         )  # fmt: skip
+
+    @model_validator(mode="before")
+    @classmethod
+    def _int8_dtype(cls, data: Any) -> Any:
+        """``dtype=torch.int8`` (DeepSpeed's switch for int8 inference): int8 weights, fp16
+        compute, as DeepSpeed's kernels run them. It becomes ``dtype=torch.float16`` plus an
+        int8 weight-quantization ``quant`` block (symmetric, one scale per output channel,
+        DeepSpeed's default grouping); a ``quant`` block given alongside must ask for 8 bits."""
+        if not isinstance(data, dict) or not _is_int8(data.get("dtype")):
+            return data
+        quant = dict(data.get("quant") or {})
+        weight = dict(quant.get("weight") or {})
+        if weight.get("num_bits", 8) != 8 or not quant.get("enabled", True):
+            raise ConfigError.at(
+                "quant",
+                explain(
+                    "contradicts dtype=torch.int8, which asks for int8 weights", quant,
+                    fix="drop dtype=torch.int8 (keep fp16/bf16) or make quant ask for 8 bits",
+                ),
+            )  # fmt: skip
+        weight.setdefault("num_bits", 8)
+        quant.update(enabled=True, weight=weight)
+        logger.info("init_inference: dtype=torch.int8 -> int8 weights, fp16 compute (as DeepSpeed)")
+        return {**data, "dtype": torch.float16, "quant": quant}
 
     @model_validator(mode="before")
     @classmethod

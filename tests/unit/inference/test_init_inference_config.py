@@ -85,7 +85,6 @@ REFUSED = [
     ("config", {"hidden_size": 4}, "model.config"),
     ("args", {"hidden_size": 4}, "model.config"),
     ("transposed_mode", True, "layout"),
-    ("dtype", torch.int8, "quant"),
     ("dtype", "fp8", "Allowed"),
 ]
 
@@ -263,3 +262,15 @@ def test_bad_arguments() -> None:
         shardspeed.init_inference(make_llama(), config=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs at least 3 processes"):
         shardspeed.init_inference(make_llama(), tensor_parallel={"tp_size": 3})
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, "int8", "torch.int8"])
+def test_int8_dtype_is_int8_weights_with_fp16_compute(dtype: Any) -> None:
+    # DeepSpeed's documented switch for int8 inference: quantized weights, half compute
+    config = DeepSpeedInferenceConfig(dtype=dtype)
+    assert config.dtype == torch.float16
+    assert config.quant_enabled and config.quant["weight"]["num_bits"] == 8
+    kept = DeepSpeedInferenceConfig(dtype=dtype, quant={"weight": {"q_type": "asymmetric"}})
+    assert kept.quant["weight"] == {"q_type": "asymmetric", "num_bits": 8}
+    with pytest.raises(ConfigError, match="contradicts dtype=torch.int8"):
+        DeepSpeedInferenceConfig(dtype=dtype, quant={"weight": {"num_bits": 4}})

@@ -340,3 +340,31 @@ def test_pipeline_quantization_default_kernel_generates(tmp_path):
     assert resp.generated_length == 6
     with pytest.raises(ValueError, match="int9"):
         pipeline(tmp_path / "ckpt", quantization="int9")
+
+
+def test_init_inference_int8_dtype_quantizes_weights_and_computes_in_fp16():
+    import shardspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("embed", torch.nn.Embedding(50, 64))
+    model.add_module("fc", torch.nn.Linear(64, 128))
+    model.add_module("act", torch.nn.GELU())
+    model.add_module("proj", torch.nn.Linear(128, 64))
+    model.add_module("lm_head", torch.nn.Linear(64, 50, bias=False))
+    plain = copy.deepcopy(model).half()
+    ids = torch.randint(0, 50, (3, 7))
+    engine = shardspeed.init_inference(model, dtype=torch.int8, keep_module_on_host=True)
+    fc = engine.module.fc
+    assert isinstance(fc, QuantizedLinear) and fc.meta.bits == 8
+    assert torch.int8 in {buf.dtype for buf in fc.buffers()}  # the weight is stored as int8
+    for name in ("fc", "proj"):  # per output channel, symmetric: DeepSpeed's int8 grouping
+        expected = dequantize_weight(
+            quantize_weight(getattr(plain, name).weight.float(), 8, None, True)
+        )
+        plain_layer = getattr(plain, name)
+        plain_layer.weight.data.copy_(expected.half())
+    with torch.no_grad():
+        out = engine(ids)
+        assert out.dtype == torch.float16
+        torch.testing.assert_close(out.float(), plain(ids).float(), atol=2e-2, rtol=2e-2)
