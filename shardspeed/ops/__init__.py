@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-__all__ = ["adagrad", "adam", "lamb", "lion"]
+__all__ = ["adagrad", "adam", "lamb", "lion", "op_builder"]
 
 
 def __getattr__(name: str) -> ModuleType:
