@@ -31,6 +31,7 @@ from shardspeed.runtime.memory import memory_breakdown
 from shardspeed.runtime.pipe.module import PipelineModule
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
+from shardspeed.runtime.zero.stage3 import attach_parameter_offload
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, info_once, log_dist
 from shardspeed.zero.fragments import param_fragments
@@ -131,6 +132,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
 
             pin = config.hybrid_engine.pin_parameters
             self.hybrid = HybridGeneration(model, self.sharding, pin_parameters=pin)
+        # ZeRO-3: DeepSpeed's optimizer.parameter_offload hook handles (TRL's generation path)
+        attach_parameter_offload(self)
         log_dist(
             f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
             f"{self.sharding.describe()}, param dtype {self.precision.param_dtype}, "

@@ -11,6 +11,7 @@ advances the iteration by one and writes the new lr. So with ``WarmupLR`` (log w
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 from typing import Any
@@ -30,6 +31,33 @@ WARMUP_COSINE_LR = "WarmupCosineLR"
 VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"
+
+# DeepSpeed's names for the scheduler.params keys (and the matching command-line options)
+LR_SCHEDULE = "lr_schedule"
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+COS_MIN_RATIO = "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
 
 
 def _torch_optimizer(optimizer: Any) -> Optimizer:
@@ -442,3 +470,144 @@ def _check_scheduler_kwargs(type_name: str, cls: type, kwargs: dict[str, Any]) -
             f"scheduler {type_name!r} needs scheduler.params key(s) {missing}; accepted keys: "
             f"{accepted}."
         )
+
+
+# -- command-line tuning options (DeepSpeed's ``add_tuning_arguments`` and friends) -----------
+# option -> (type, default, help); bools are store_true flags
+_TUNING_OPTIONS: dict[str, tuple[type, Any, str]] = {
+    LR_SCHEDULE: (str, None, "LR schedule for training."),
+    LR_RANGE_TEST_MIN_LR: (float, 0.001, "Starting lr value."),
+    LR_RANGE_TEST_STEP_RATE: (float, 1.0, "scaling rate for LR range test."),
+    LR_RANGE_TEST_STEP_SIZE: (int, 1000, "training steps per LR change."),
+    LR_RANGE_TEST_STAIRCASE: (bool, False, "use staircase scaling for LR range test."),
+    CYCLE_FIRST_STEP_SIZE: (int, 1000, "size of first step of 1Cycle schedule (training steps)."),
+    CYCLE_FIRST_STAIR_COUNT: (int, -1, "first stair count for 1Cycle schedule."),
+    CYCLE_SECOND_STEP_SIZE: (int, -1, "size of second step of 1Cycle schedule."),
+    CYCLE_SECOND_STAIR_COUNT: (int, -1, "second stair count for 1Cycle schedule."),
+    DECAY_STEP_SIZE: (int, 1000, "size of intervals for applying post cycle decay."),
+    CYCLE_MIN_LR: (float, 0.01, "1Cycle LR lower bound."),
+    CYCLE_MAX_LR: (float, 0.1, "1Cycle LR upper bound."),
+    DECAY_LR_RATE: (float, 0.0, "post cycle LR decay rate."),
+    "cycle_momentum": (bool, False, "Enable 1Cycle momentum schedule."),
+    CYCLE_MIN_MOM: (float, 0.8, "1Cycle momentum lower bound."),
+    CYCLE_MAX_MOM: (float, 0.9, "1Cycle momentum upper bound."),
+    DECAY_MOM_RATE: (float, 0.0, "post cycle momentum decay rate."),
+    WARMUP_MIN_LR: (float, 0, "WarmupLR minimum/initial LR value."),
+    WARMUP_MAX_LR: (float, 0.001, "WarmupLR maximum LR value."),
+    WARMUP_NUM_STEPS: (int, 1000, "WarmupLR step count for LR warmup."),
+    WARMUP_TYPE: (str, WARMUP_LOG_RATE, "WarmupLR increasing function during warmup."),
+    WARMUP_MIN_RATIO: (float, 0.01, "WarmupCosineLR: warmup starts at this ratio of the lr."),
+    COS_MIN_RATIO: (float, 0.01, "WarmupCosineLR: cosine ends at this ratio of the lr."),
+}
+
+# which options each schedule family takes from the command line
+_LR_RANGE_TEST_KEYS = (
+    LR_RANGE_TEST_MIN_LR,
+    LR_RANGE_TEST_STEP_RATE,
+    LR_RANGE_TEST_STEP_SIZE,
+    LR_RANGE_TEST_STAIRCASE,
+)
+_ONE_CYCLE_KEYS = (
+    CYCLE_FIRST_STEP_SIZE,
+    CYCLE_FIRST_STAIR_COUNT,
+    CYCLE_SECOND_STEP_SIZE,
+    CYCLE_SECOND_STAIR_COUNT,
+    DECAY_STEP_SIZE,
+    CYCLE_MIN_LR,
+    CYCLE_MAX_LR,
+    DECAY_LR_RATE,
+    CYCLE_MIN_MOM,
+    CYCLE_MAX_MOM,
+    DECAY_MOM_RATE,
+)
+_WARMUP_LR_KEYS = (WARMUP_MIN_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS, WARMUP_TYPE)
+_WARMUP_COSINE_KEYS = (WARMUP_NUM_STEPS, WARMUP_TYPE, WARMUP_MIN_RATIO, COS_MIN_RATIO)
+
+
+def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's "Convergence Tuning" options (``--lr_schedule``, ``--warmup_max_lr``,
+    ...; same names and defaults) to ``parser``; returns it."""
+    group = parser.add_argument_group("Convergence Tuning", "Convergence tuning configurations")
+    for name, (kind, default, help_text) in _TUNING_OPTIONS.items():
+        if kind is bool:
+            group.add_argument(f"--{name}", default=default, action="store_true", help=help_text)
+        else:
+            group.add_argument(f"--{name}", type=kind, default=default, help=help_text)
+    return parser
+
+
+def parse_arguments() -> tuple[argparse.Namespace, list[str]]:
+    """Parse the tuning options from ``sys.argv``; returns (known, unknown arguments)."""
+    return add_tuning_arguments(argparse.ArgumentParser()).parse_known_args()
+
+
+def _override(args: Any, params: dict[str, Any], keys: tuple[str, ...]) -> None:
+    for key in keys:
+        value = getattr(args, key, None)
+        if value is not None:
+            params[key] = value
+
+
+def override_lr_range_test_params(args: Any, params: dict[str, Any]) -> None:
+    """Copy the ``LRRangeTest`` options set in ``args`` into ``params``."""
+    _override(args, params, _LR_RANGE_TEST_KEYS)
+
+
+def override_1cycle_params(args: Any, params: dict[str, Any]) -> None:
+    """Copy the ``OneCycle`` options set in ``args`` into ``params``."""
+    _override(args, params, _ONE_CYCLE_KEYS)
+
+
+def override_warmupLR_params(args: Any, params: dict[str, Any]) -> None:  # noqa: N802
+    """Copy the ``WarmupLR`` / ``WarmupDecayLR`` options set in ``args`` into ``params``."""
+    _override(args, params, _WARMUP_LR_KEYS)
+
+
+def override_warmupCosineLR_params(args: Any, params: dict[str, Any]) -> None:  # noqa: N802
+    """Copy the ``WarmupCosineLR`` options (ratios, no absolute lr) into ``params``."""
+    _override(args, params, _WARMUP_COSINE_KEYS)
+
+
+def override_params(args: Any, params: dict[str, Any]) -> None:
+    """Copy every schedule option set in ``args`` into ``params``."""
+    for keys in (_LR_RANGE_TEST_KEYS, _ONE_CYCLE_KEYS, _WARMUP_LR_KEYS, _WARMUP_COSINE_KEYS):
+        _override(args, params, keys)
+
+
+def get_config_from_args(args: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``scheduler`` block (``{"type", "params"}``) the command line describes, or
+    ``(None, reason)`` when ``--lr_schedule`` is missing or unknown."""
+    schedule = getattr(args, LR_SCHEDULE, None)
+    if schedule is None:
+        return None, f"--{LR_SCHEDULE} not specified on command line"
+    if schedule not in VALID_LR_SCHEDULES:
+        return None, f"{schedule} is not supported LR schedule"
+    keys = {
+        LR_RANGE_TEST: _LR_RANGE_TEST_KEYS,
+        ONE_CYCLE: _ONE_CYCLE_KEYS,
+        WARMUP_COSINE_LR: _WARMUP_COSINE_KEYS,
+    }.get(schedule, _WARMUP_LR_KEYS)
+    params: dict[str, Any] = {}
+    _override(args, params, keys)
+    return {"type": schedule, "params": params}, None
+
+
+def get_lr_from_config(config: dict[str, Any]) -> tuple[float | None, str]:
+    """The learning rate a ``scheduler`` block sets (range test: its min lr; 1Cycle: its
+    max lr; warmup schedules: ``warmup_max_lr``), or ``(None, reason)``."""
+    if "type" not in config:
+        return None, "LR schedule type not defined in config"
+    if "params" not in config:
+        return None, "LR schedule params not defined in config"
+    schedule, params = config["type"], config["params"]
+    if schedule not in VALID_LR_SCHEDULES:
+        return None, f"{schedule} is not a valid LR schedule"
+    if schedule == WARMUP_COSINE_LR:
+        return None, (
+            f"{WARMUP_COSINE_LR} scales the optimizer learning rate by a ratio, so its params "
+            "define no lr"
+        )
+    key = {LR_RANGE_TEST: LR_RANGE_TEST_MIN_LR, ONE_CYCLE: CYCLE_MAX_LR}.get(
+        schedule, WARMUP_MAX_LR
+    )
+    return params[key], ""

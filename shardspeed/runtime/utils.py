@@ -1,19 +1,20 @@
 """DeepSpeed's ``deepspeed.runtime.utils``: the helpers training scripts import from it
-(``set_random_seed``, ``see_memory_usage``, ``clip_grad_norm_``), with DeepSpeed's
-signatures and semantics."""
+(``set_random_seed``, ``see_memory_usage``, ``clip_grad_norm_``, ``partition_uniform``,
+``partition_balanced``), with DeepSpeed's signatures and semantics."""
 
 from __future__ import annotations
 
 import gc
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
+from shardspeed.parallel.pipeline import partition as pipeline_partition
 from shardspeed.utils.logging import log_dist
 
 
@@ -107,4 +108,62 @@ def clip_grad_norm_(
     return total
 
 
-__all__ = ["clip_grad_norm_", "see_memory_usage", "set_random_seed"]
+def partition_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Boundaries of ``num_parts`` contiguous parts of ``num_items`` items, as even as
+    possible (the first parts one item larger); ``parts[i]:parts[i + 1]`` is part ``i``.
+
+    As DeepSpeed, with fewer items than parts the first ``num_items`` parts hold one item
+    each and the rest are empty (the pipeline's own splitter refuses that case).
+    """
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    return pipeline_partition.partition_uniform(num_items, num_parts)
+
+
+def partition_balanced(weights: Sequence[float], num_parts: int, eps: float = 1e-3) -> list[int]:
+    """Boundaries of ``num_parts`` contiguous parts of ``weights`` with the smallest spread
+    between the heaviest and the lightest part (DeepSpeed 0.19.8's rule and tie-breaking:
+    among equal spreads the last cut wins).
+
+    ``eps`` is the tolerance of DeepSpeed's older bisection version of this function; it is
+    accepted for scripts written against that signature and not needed by this exact
+    dynamic program. With no more weights than parts the split is :func:`partition_uniform`.
+    (The pipeline's ``partition_method="parameters"`` minimises the heaviest part instead:
+    :func:`shardspeed.parallel.pipeline.partition.partition_balanced`.)
+    """
+    del eps  # see the docstring
+    n = len(weights)
+    if n <= num_parts:
+        return partition_uniform(n, num_parts)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = math.inf
+    # best[i][j]: (spread, heaviest, lightest) of the best split of weights[:i] into j parts
+    heaviest = [[inf] * (num_parts + 1) for _ in range(n + 1)]
+    lightest = [[inf] * (num_parts + 1) for _ in range(n + 1)]
+    spread = [[inf] * (num_parts + 1) for _ in range(n + 1)]
+    cut = [[0] * (num_parts + 1) for _ in range(n + 1)]
+    heaviest[0][0] = spread[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_parts) + 1):
+            for k in range(i):  # the last part is weights[k:i]
+                last = prefix[i] - prefix[k]
+                high = max(heaviest[k][j - 1], last)
+                low = min(lightest[k][j - 1], last)
+                cost = high - low  # inf - inf is nan: never taken, as in DeepSpeed
+                if spread[i][j] >= cost:
+                    spread[i][j], heaviest[i][j], lightest[i][j], cut[i][j] = cost, high, low, k
+    parts = [n]
+    for j in range(num_parts, 0, -1):
+        parts.append(cut[parts[-1]][j])
+    return parts[::-1]
+
+
+__all__ = [
+    "clip_grad_norm_",
+    "partition_balanced",
+    "partition_uniform",
+    "see_memory_usage",
+    "set_random_seed",
+]

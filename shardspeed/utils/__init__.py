@@ -1,8 +1,8 @@
 """Small shared utilities (logging, accelerator helpers) and, as in ``deepspeed.utils``, the
 ``safe_get_*`` / ``safe_set_*`` accessors of a parameter's fp32 state
-(:mod:`shardspeed.zero.tensor_fragment`), ``RepeatingLoader``, ``set_z3_leaf_modules`` and
-friends (:mod:`shardspeed.runtime.zero.leaf_module`), and the submodules ``groups`` and
-``zero_to_fp32``; all loaded on first use."""
+(:mod:`shardspeed.zero.tensor_fragment`), ``RepeatingLoader``, ``set_z3_leaf_modules`` (by
+class, name or name suffix) and friends (:mod:`shardspeed.runtime.zero.leaf_module`), and
+the submodules ``groups`` and ``zero_to_fp32``; all loaded on first use."""
 
 from __future__ import annotations
 
@@ -20,9 +20,12 @@ _FRAGMENT_API = (
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
+    "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 )
 
 # name -> module that defines it
@@ -32,7 +35,10 @@ _LAZY_NAMES = {
     **dict.fromkeys(
         (
             "get_z3_leaf_modules",
+            "set_z3_leaf_module",
             "set_z3_leaf_modules",
+            "set_z3_leaf_modules_by_name",
+            "set_z3_leaf_modules_by_suffix",
             "unset_z3_leaf_modules",
             "z3_leaf_module",
             "z3_leaf_parameter",

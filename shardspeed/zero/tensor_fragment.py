@@ -14,7 +14,8 @@ through that link.
 * ``safe_get_local_*`` return this rank's fragment as a flat fp32 copy (possibly empty).
 * ``safe_set_full_*`` take the whole tensor (every rank passes the same value) and write
   this rank's fragment; the fp32 setter also updates the parameter itself. No
-  communication.
+  communication. ``safe_update_full_grad_vectorized(params, fn)`` sets each gradient to
+  ``fn(full_grad, param)`` (a collective, as the getter it calls).
 * ``safe_set_local_*`` take this rank's fragment (the shape ``safe_get_local_*`` returns).
   ``safe_set_local_fp32_param`` is a collective where parameters are replicated in full
   (stages 1-2, and stage-3 parameters that are gathered, e.g. persistent ones).
@@ -23,14 +24,17 @@ Gradients (DeepSpeed's semantics): the gradient is read after ``engine.backward(
 accumulation-boundary micro-step and before ``engine.step()``; it is the gradient the step
 will apply: averaged over data-parallel ranks, summed over the micro-steps of the window
 (each scaled by 1/GAS), with the loss scale divided out, before clipping. ``step()`` zeroes
-it. At stages 2-3 gradients are reduced every micro-step, so earlier in the window the
-partial sum is returned; at stages 0-1 they are reduced only at the boundary, and reading
-them earlier raises ``RuntimeError``.
+it. The gradient setters replace that gradient (the loss scale is applied for you; with
+optimizer offload the host copy is refreshed). At stages 2-3 gradients are reduced every
+micro-step, so earlier in the window the partial sum is returned (and a value set then is
+accumulated onto by the rest of the window); at stages 0-1 they are reduced only at the
+boundary, and reading or writing them earlier raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +95,15 @@ class _Source:
 
     def publish(self, index: int) -> None:
         self.group.copy_master_to_params(self._master_index(index))
+
+    def restage_grad(self, index: int) -> None:
+        """After a gradient fragment was written: refresh the host copy the optimizer reads
+        under optimizer offload (a no-op without offload)."""
+        bucket = self.group.buckets[self._master_index(index)]
+        if hasattr(bucket, "stage_host_grad"):  # a stage-3 flat keeps its own host copy
+            bucket.stage_host_grad()
+        else:  # a FlatGroup bucket spec: the group holds the host copies
+            self.group.stage_host_grad(bucket)
 
     def has_full_copy(self, index: int) -> bool:
         """``param.data`` is the whole parameter now (stage 3: gathered, e.g. persistent)."""
@@ -177,8 +190,9 @@ class _Handle:
             )
         return value.reshape(-1)
 
-    def grad(self) -> torch.Tensor:
-        """This rank's reduced gradient fragment, fp32, loss scale divided out."""
+    def grad_storage(self) -> tuple[torch.Tensor, float]:
+        """This rank's reduced gradient fragment (a view of the storage the step reads, loss
+        scale still in) and the loss scale; refuses before this micro-step is reduced."""
         reducer = self.engine.reducer
         if getattr(reducer, "dirty", False):
             raise RuntimeError(
@@ -191,9 +205,20 @@ class _Handle:
                     else "at the end of every engine.backward()."
                 )
             )
-        grad = self.fragment.view(self.fragment.grad).float()
-        scale = float(self.engine.loss_scaler.loss_scale)
+        return self.fragment.view(self.fragment.grad), float(self.engine.loss_scaler.loss_scale)
+
+    def grad(self) -> torch.Tensor:
+        """This rank's reduced gradient fragment, fp32, loss scale divided out."""
+        storage, scale = self.grad_storage()
+        grad = storage.float()
         return grad / scale if scale != 1.0 else grad
+
+    def set_grad(self, local: torch.Tensor) -> None:
+        """Write this rank's gradient fragment (fp32 values, loss scale not applied)."""
+        storage, scale = self.grad_storage()
+        local = local.to(device=storage.device, dtype=torch.float32)
+        storage.copy_(local * scale if scale != 1.0 else local)
+        self.source.restage_grad(self.index)
 
     def state(self, key: str) -> torch.Tensor:
         """This rank's fragment of optimizer state ``key`` (a view)."""
@@ -270,6 +295,38 @@ def safe_set_full_optimizer_state(
     h.state(optim_state_key).copy_(h.full_value(value))
 
 
+@torch.no_grad()
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace the reduced gradient of ``param`` with ``value`` (the full tensor, same on
+    every rank; loss scale not applied): the next ``step()`` applies it. No communication.
+
+    Valid where :func:`safe_get_full_grad` is: after ``engine.backward()`` on the
+    accumulation boundary and before ``step()``.
+    """
+    h = _Handle(param, "safe_set_full_grad")
+    h.set_grad(h.full_value(value))
+
+
+@torch.no_grad()
+def safe_update_full_grad_vectorized(
+    param_list: list[torch.Tensor],
+    update_func: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
+    """Replace the reduced gradient of every parameter ``p`` in ``param_list`` with
+    ``update_func(full_grad, p)`` (``full_grad`` as :func:`safe_get_full_grad` returns it).
+
+    A collective at stages 1-3 (one gradient all-reduce per parameter, in list order):
+    every rank passes the same list. Frozen parameters (``requires_grad=False``) are
+    skipped, as in DeepSpeed.
+    """
+    for param in param_list:
+        if not param.requires_grad:
+            continue
+        h = _Handle(param, "safe_update_full_grad_vectorized")
+        new = update_func(h.assemble(h.grad()), param)
+        h.set_grad(h.full_value(new))
+
+
 # -- local (this rank's fragment) -------------------------------------------------------------
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """This rank's fragment of the fp32 master of ``param`` (flat fp32 copy, maybe empty)."""
@@ -287,6 +344,14 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     """This rank's fragment of optimizer state ``optim_state_key`` of ``param`` (flat copy)."""
     h = _Handle(param, "safe_get_local_optimizer_state")
     return h.state(optim_state_key).float().clone()
+
+
+@torch.no_grad()
+def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace this rank's fragment of the reduced gradient of ``param`` (the shape
+    :func:`safe_get_local_grad` returns; loss scale not applied). No communication."""
+    h = _Handle(param, "safe_set_local_grad")
+    h.set_grad(h.local_value(value))
 
 
 @torch.no_grad()
@@ -319,7 +384,10 @@ __all__ = [
     "safe_get_local_grad",
     "safe_get_local_optimizer_state",
     "safe_set_full_fp32_param",
+    "safe_set_full_grad",
     "safe_set_full_optimizer_state",
     "safe_set_local_fp32_param",
+    "safe_set_local_grad",
     "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
 ]

@@ -2,7 +2,8 @@
 line changed. The implementation lives in :mod:`shardspeed.zero`; these modules re-export
 what users import from here: ``config`` (``DeepSpeedZeroConfig``), ``partition_parameters``
 (``Init``, ``GatheredParameters``, ``ZeroParamStatus``), the memory estimators in
-``stage3`` / ``stage_1_and_2``. ``Init`` and friends are also names of this package, as in
+``stage3`` / ``stage_1_and_2`` (and ``stage3.unwrap_model_for_generation``), ``tiling``
+(``TiledLinear``). ``Init`` and friends are also names of this package, as in
 DeepSpeed (``deepspeed.zero`` is ``deepspeed.runtime.zero`` there)."""
 
 from __future__ import annotations

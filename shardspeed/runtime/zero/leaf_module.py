@@ -5,11 +5,14 @@ submodule by submodule (a mixture-of-experts block, where only some experts run)
 ShardSpeed stage 3 gathers whole *units* (each element of a ``ModuleList``/``Sequential``,
 see :func:`shardspeed.zero.unit_sharding.split_units`), so a leaf module inside a unit is
 already fetched as a whole. :func:`set_z3_leaf_modules` flags the modules as DeepSpeed does
-(``module._z3_leaf``) and refuses the one layout where the flag would not hold: a leaf
+(``module._z3_leaf``; by class, or by name / name suffix in ``model.named_modules()``)
+and refuses the one layout where the flag would not hold: a leaf
 module that contains units of its own.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -60,9 +63,15 @@ def _set(
             f"No modules of type {leaf_module_classes} found in model {type(model).__name__}; "
             "pass a class (or class name) the model contains, or raise_if_not_found=False."
         )
+    _flag(found, model, flag)
+    return found
+
+
+def _flag(leaves: list[nn.Module], model: nn.Module, flag: bool) -> None:
+    """Set ``_z3_leaf`` on ``leaves``, refusing leaves that hold stage-3 units of their own."""
     if flag:
         unit_modules = {id(unit.module) for unit in split_units(model) if not unit.is_root}
-        for leaf in found:
+        for leaf in leaves:
             inner = [m for m in leaf.modules() if m is not leaf and id(m) in unit_modules]
             if inner:
                 raise ValueError(
@@ -71,9 +80,68 @@ def _set(
                     "outer ModuleList), so ShardSpeed would gather them one by one. Fix: put "
                     "the leaf module inside the model's layer list, or leave it unflagged."
                 )
-    for leaf in found:
+    for leaf in leaves:
         leaf._z3_leaf = flag
-    return found
+
+
+def _named(
+    model: nn.Module,
+    patterns: list[str],
+    matches: Callable[[str, str], bool],
+    what: str,
+    flag: bool,
+    raise_if_not_found: bool,
+) -> tuple[list[nn.Module], list[str]]:
+    """Flag the modules whose ``named_modules()`` name matches a pattern; returns the
+    modules (each once, in pattern order) and the patterns that matched nothing."""
+    named = list(model.named_modules())
+    found: dict[int, nn.Module] = {}
+    missing: list[str] = []
+    for pattern in patterns:
+        hits = [module for name, module in named if matches(name, pattern)]
+        if not hits:
+            missing.append(pattern)
+        for module in hits:
+            found.setdefault(id(module), module)
+    if missing and raise_if_not_found:
+        examples = [name for name, _ in named if name][:5]
+        raise ValueError(
+            f"No modules {what} {missing} found in model {type(model).__name__} (module names "
+            f"look like {examples}); pass names from model.named_modules(), or "
+            "raise_if_not_found=False."
+        )
+    leaves = list(found.values())
+    _flag(leaves, model, flag)
+    return leaves, missing
+
+
+def set_z3_leaf_modules_by_name(
+    model: nn.Module, module_names: list[str], flag: bool = True, raise_if_not_found: bool = True
+) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag of the modules called ``module_names`` in ``model.named_modules()``;
+    returns the modules and the names that matched none."""
+    return _named(
+        model, module_names, lambda name, want: name == want, "named", flag, raise_if_not_found
+    )
+
+
+def set_z3_leaf_modules_by_suffix(
+    model: nn.Module,
+    module_name_suffixes: list[str],
+    flag: bool = True,
+    raise_if_not_found: bool = True,
+) -> tuple[list[nn.Module], list[str]]:
+    """Set the leaf flag of every module whose ``named_modules()`` name ends with one of
+    ``module_name_suffixes`` (e.g. ``"mlp.experts"``); returns the modules (each once) and
+    the suffixes that matched none."""
+    return _named(
+        model,
+        module_name_suffixes,
+        lambda name, suffix: name.endswith(suffix),
+        "matching suffixes",
+        flag,
+        raise_if_not_found,
+    )
 
 
 def set_z3_leaf_modules(
@@ -95,6 +163,8 @@ __all__ = [
     "get_z3_leaf_modules",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
     "unset_z3_leaf_modules",
     "z3_leaf_module",
     "z3_leaf_parameter",
