@@ -11,7 +11,8 @@ Typical use in model code::
 
 See ``docs/activation_checkpointing.md``. DeepSpeed's module path
 ``...activation_checkpointing.checkpointing`` (with its module-level flags) is the submodule
-:mod:`.checkpointing`, loaded on first attribute access.
+:mod:`.checkpointing`, loaded on first attribute access; so is :mod:`.offload_activations`
+(``CheckpointHiddenStatesOffload``, host offload of Hugging Face checkpoint-layer inputs).
 """
 
 from __future__ import annotations
