@@ -51,6 +51,7 @@ _LAZY_ATTRS = {
     "checkpoint": ("shardspeed.checkpoint", None),
     "accelerator": ("shardspeed.accelerator", None),
     "launcher": ("shardspeed.launcher", None),
+    "elasticity": ("shardspeed.elasticity", None),
     "git_version_info": ("shardspeed.git_version_info", None),
 }
 

@@ -15,6 +15,7 @@ from shardspeed.checkpoint.consolidate import (
     get_fp32_state_dict_from_checkpoint,
     iter_fp32_state_dict,
 )
+from shardspeed.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
 from shardspeed.checkpoint.engine_api import (
     load_checkpoint,
     save_16bit_model,
@@ -26,6 +27,7 @@ from shardspeed.checkpoint.integrity import CheckpointIntegrityError
 __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
+    "DeepSpeedCheckpoint",
     "convert_to_fp32_files",
     "get_fp32_state_dict_from_checkpoint",
     "iter_fp32_state_dict",

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardspeed.checkpoint.deepspeed_writer import DeepSpeedLayoutSpec, write_deepspeed_files
 from shardspeed.checkpoint.expert_placement import ExpertNames
 from shardspeed.checkpoint.format import (
     FORMAT_VERSION,
@@ -66,6 +67,8 @@ class RankSnapshot:
     meta: dict[str, Any]  # the rank JSON
     manifest_fields: dict[str, Any] = field(default_factory=dict)
     fsync: bool = True  # rank files reach the disk before the tag is published
+    # rank 0 also writes DeepSpeed's files into the tag before publishing it
+    deepspeed_layout: DeepSpeedLayoutSpec | None = None
 
     @property
     def final(self) -> Path:
@@ -256,6 +259,8 @@ def finalise(snap: RankSnapshot) -> None:
         CHECKSUMS: checksums,
     }
     write_json(snap.tmp / MANIFEST, seal(manifest))
+    if snap.deepspeed_layout is not None:
+        write_deepspeed_files(snap.tmp, manifest, metas[0], snap.deepspeed_layout)
     old = None
     if snap.final.exists():  # re-saving a tag: swap, then delete the old copy
         old = snap.save_dir / f"{snap.tag}{TMP_MARKER}old-{uuid.uuid4().hex[:8]}"

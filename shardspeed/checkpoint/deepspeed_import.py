@@ -37,6 +37,7 @@ import re
 import shutil
 import types
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +83,8 @@ logger = get_logger(__name__)
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 MODEL_STATES_Z3 = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # stage 3: one per DP rank
-_OPTIM_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+# DeepSpeed prefixes bf16_ to the ZeRO files of a bf16 run
+_OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 # top-level keys of DeepSpeed's model states; anything else is the user's client_state
 _DS_KEYS = frozenset(
     {
@@ -181,21 +183,64 @@ class RefusedGlobalError(pickle.UnpicklingError):
     """A pickle names a global outside the allow-list of what DeepSpeed checkpoints hold."""
 
 
+class _InertModule:
+    """What ``pydoc.locate(path)`` gives inside ShardSpeed's unpickler: a name, no import."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+
+def _stand_in(qualified: str) -> type:
+    found = _STAND_INS.get(qualified)
+    if found is None:
+        module, name = qualified.rsplit(".", 1)
+        found = type(name, (_DeepSpeedObject,), {"__module__": module})
+        _STAND_INS[qualified] = found
+    return found
+
+
+_STAND_INS: dict[str, type] = {}
+
+
+def _inert_getattr(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr`` as ShardSpeed's loss-scaler recipe uses it
+    (:mod:`shardspeed.checkpoint.deepspeed_pickle`): only on an :class:`_InertModule`, only
+    for a DeepSpeed data class (a stand-in) or the recipe's ``float`` fallback."""
+    if isinstance(obj, _InertModule):
+        qualified = f"{obj.path}.{name}"
+        if qualified in DEEPSPEED_DATA_CLASSES:
+            return _stand_in(qualified)
+    if default is float:
+        return float
+    raise RefusedGlobalError(
+        f"the pickle calls getattr({type(obj).__name__}, {name!r}) outside ShardSpeed's "
+        "loss-scaler recipe"
+    )
+
+
+def _inert_locate(path: str) -> Any:
+    """``pydoc.locate`` inside ShardSpeed's unpickler: the two paths of the loss-scaler recipe
+    as inert stand-ins, nothing imported; any other path is refused."""
+    if path == "builtins.getattr":
+        return _inert_getattr
+    if f"{path}.LossScaler" in DEEPSPEED_DATA_CLASSES:
+        return _InertModule(path)
+    raise RefusedGlobalError(f"the pickle locates {path!r} outside ShardSpeed's loss-scaler recipe")
+
+
 class _Unpickler(pickle.Unpickler):
     """Resolves only the globals of :data:`_TORCH_REBUILDERS`, :data:`_PLAIN_TYPES`, torch
-    dtypes/layouts and :data:`DEEPSPEED_DATA_CLASSES` (as stand-ins); refuses the rest."""
-
-    _stand_ins: dict[str, type] = {}
+    dtypes/layouts and :data:`DEEPSPEED_DATA_CLASSES` (as stand-ins); ``pydoc.locate`` as an
+    inert stand-in (ShardSpeed's loss-scaler recipe, see
+    :mod:`shardspeed.checkpoint.deepspeed_pickle`); refuses the rest."""
 
     def find_class(self, module: str, name: str) -> Any:
         module, name = _python3_name(module, name)
         qualified = f"{module}.{name}"
         if qualified in DEEPSPEED_DATA_CLASSES:
-            found = self._stand_ins.get(qualified)
-            if found is None:
-                found = type(name, (_DeepSpeedObject,), {"__module__": module})
-                self._stand_ins[qualified] = found
-            return found
+            return _stand_in(qualified)
+        if qualified == "pydoc.locate":
+            return _inert_locate
         if qualified in _TORCH_REBUILDERS or qualified in _PLAIN_TYPES:
             return super().find_class(module, name)
         if _torch_constant(module, name):
@@ -390,7 +435,37 @@ def import_deepspeed_checkpoint(
     """
     ds_dir, out_dir = Path(ds_dir), Path(out_dir)
     tag = _resolve_ds_tag(ds_dir, tag)
-    tag_dir = ds_dir / tag
+    read = read_deepspeed_tag(ds_dir / tag)
+    return write_imported(
+        out_dir,
+        out_tag or tag,
+        read.model,
+        read.writer,
+        read.scalars,
+        read.groups,
+        loss_scaler=read.loss_scaler,
+        param_order=read.param_order,
+    )
+
+
+@dataclass
+class DeepSpeedTag:
+    """A DeepSpeed ZeRO tag read into memory: full fp32 tensors per parameter and kind in
+    ``writer`` (world-size-1 fragments), the model states dict, and per param group the
+    scalar optimizer state and hyperparameters."""
+
+    model: dict[str, Any]
+    writer: FragmentWriter
+    scalars: list[dict[str, Any]]
+    groups: list[dict[str, Any]]
+    loss_scaler: Any
+    param_order: list[str]
+    stage: int
+    optimizer: dict[str, Any]  # rank 0's optimizer_state_dict
+
+
+def read_deepspeed_tag(tag_dir: Path) -> DeepSpeedTag:
+    """Read DeepSpeed ZeRO tag ``tag_dir`` (all ranks' files) through the allow-list unpickler."""
     logger.info(f"unpickling DeepSpeed checkpoint {tag_dir} (allow-listed globals only)")
     model = _load_trusted(_model_states_file(tag_dir))
     rank_opts = [_load_trusted(f)["optimizer_state_dict"] for f in _optim_files(tag_dir)]
@@ -451,7 +526,31 @@ def import_deepspeed_checkpoint(
             writer.add(name, KIND_BUFFER, list(module[name].shape), 0, module[name])
     expert_keys = _add_expert_files(writer, experts, model.get("buffer_names") or [])
 
-    out_tag = out_tag or tag
+    return DeepSpeedTag(
+        model=model,
+        writer=writer,
+        scalars=scalars,
+        groups=groups,
+        loss_scaler=rank_opts[0].get("loss_scaler"),
+        param_order=with_expert_keys(list(model["module"].keys()), expert_keys),
+        stage=stage,
+        optimizer=rank_opts[0],
+    )
+
+
+def write_imported(
+    out_dir: Path,
+    out_tag: str,
+    model: dict[str, Any],
+    writer: FragmentWriter,
+    scalars: list[dict[str, Any]],
+    groups: list[dict[str, Any]],
+    *,
+    loss_scaler: Any,
+    param_order: list[str],
+) -> Path:
+    """Write what an importer gathered (full fp32 tensors in ``writer``, DeepSpeed's model
+    states ``model``) as a world-size-1 stage-0 ShardSpeed checkpoint ``<out_dir>/<out_tag>``."""
     inside(out_dir, out_tag, "output tag")  # written under out_dir, never beside it
     config = model.get("ds_config") or {}
     gas = int(config.get("gradient_accumulation_steps", 1) or 1)
@@ -472,7 +571,7 @@ def import_deepspeed_checkpoint(
             "micro_steps": int(model.get("global_steps", 0)) * gas,
             "gradient_accumulation_steps": gas,
             "skipped_steps": int(model.get("skipped_steps", 0)),
-            "loss_scaler": _loss_scaler_state(rank_opts[0].get("loss_scaler")),
+            "loss_scaler": _loss_scaler_state(loss_scaler),
             "lr_scheduler": model.get("lr_scheduler"),
             "dataloader": None,
             "param_groups": [
@@ -484,7 +583,7 @@ def import_deepspeed_checkpoint(
         },
         "rng": capture_rng_state(),
         "tied_aliases": dict(model.get("shared_params") or {}),
-        "param_order": with_expert_keys(list(module.keys()), expert_keys),
+        "param_order": param_order,
     }
     return _write(out_dir, out_tag, meta, {**writer.tensors, **client_tensors})
 

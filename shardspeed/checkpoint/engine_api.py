@@ -30,6 +30,8 @@ from shardspeed.checkpoint.commit import (
     take_snapshot,
     write_rank_files,
 )
+from shardspeed.checkpoint.deepspeed_writer import LAYOUTS, DeepSpeedLayoutSpec, layout_spec
+from shardspeed.checkpoint.foreign_load import staged_checkpoint
 from shardspeed.checkpoint.format import (
     TMP_MARKER,
     join_client_state,
@@ -105,6 +107,19 @@ def _async_default(engine: Any) -> bool:
     return bool(cfg is not None and cfg.async_enabled)
 
 
+def _deepspeed_layout(engine: Any, layout: str | None) -> DeepSpeedLayoutSpec | None:
+    """The DeepSpeed layout to write next to the native files, or None (native only)."""
+    if layout is None:
+        cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
+        layout = getattr(cfg, "layout", "native") if cfg is not None else "native"
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"save_checkpoint(layout={layout!r}): allowed {list(LAYOUTS)}. Fix: pass 'native' "
+            "(ShardSpeed's files only) or 'deepspeed' (DeepSpeed's files as well)."
+        )
+    return layout_spec(engine) if layout == "deepspeed" else None
+
+
 def save_checkpoint(
     engine: Any,
     save_dir: str | os.PathLike[str],
@@ -113,6 +128,7 @@ def save_checkpoint(
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
     async_save: bool | None = None,
+    layout: str | None = None,
 ) -> bool:
     """Save a resumable, topology-independent checkpoint of ``engine``; every rank must call it.
 
@@ -125,8 +141,14 @@ def save_checkpoint(
     the files are written and the tag published in the background. A previous async save
     is waited for first, and if it failed its :class:`CheckpointError` is raised here
     (nothing new is saved).
+
+    ``layout`` (default: the config's ``checkpoint.layout``, ``"native"``): ``"deepspeed"``
+    also writes DeepSpeed 0.19's ``.pt`` files into the tag, so DeepSpeed's
+    ``load_checkpoint``, ``zero_to_fp32`` and PyTorch Lightning read it (ZeRO 1-3, fp32/bf16,
+    data parallelism only; see ``docs/checkpoints.md``).
     """
     wait_pending(engine)
+    deepspeed_layout = _deepspeed_layout(engine, layout)
     if async_save is None:
         async_save = _async_default(engine)
     tag = _check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
@@ -151,6 +173,7 @@ def save_checkpoint(
             copy=async_save or _swaps_to_nvme(engine),
             fsync=_fsync_default(engine),
         )
+        snap.deepspeed_layout = deepspeed_layout
     except Exception:
         failed_ranks(False, rank, world, saver.group)  # the others' commit fails, not hangs
         raise
@@ -193,6 +216,10 @@ def load_checkpoint(
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Load a checkpoint saved at any world size / ZeRO stage 0-3 / pipeline layout into ``engine``.
 
+    Also loads a DeepSpeed ZeRO tag (when ``load_dir`` has no finished native tag) and, with
+    the config's ``checkpoint.load_universal``, a universal checkpoint folder: each is
+    converted to a temporary native checkpoint first (:mod:`shardspeed.checkpoint.foreign_load`).
+
     Returns ``(path, client_state)``, or ``(None, None)`` (with a warning) when
     ``load_dir`` holds no finished checkpoint. Every rank file's sha256 is verified first
     (the ranks share the work) unless ``verify_checksums`` is False (default: True, or
@@ -205,6 +232,37 @@ def load_checkpoint(
     """
     wait_pending(engine, raise_error=False)  # the save may target load_dir; log a failure
     load_dir = Path(load_dir)
+    # a DeepSpeed ZeRO tag or universal folder is converted to a temporary native one first
+    with staged_checkpoint(engine, load_dir, tag) as (native_dir, native_tag):
+        path, client = _load_native(
+            engine,
+            native_dir,
+            native_tag,
+            load_module_strict,
+            load_optimizer_states,
+            load_module_only,
+            load_lr_scheduler_states,
+            verify_checksums=verify_checksums,
+            restore_rng=restore_rng,
+        )
+    if path is not None and native_dir != load_dir:
+        path = str(load_dir / Path(path).name)
+    return path, client
+
+
+def _load_native(
+    engine: Any,
+    load_dir: Path,
+    tag: str | None,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_module_only: bool,
+    load_lr_scheduler_states: bool,
+    *,
+    verify_checksums: bool | None,
+    restore_rng: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """:func:`load_checkpoint` of a native ShardSpeed tag."""
     tag = resolve_tag(load_dir, tag)
     if tag is None:
         logger.warning(f"no finished checkpoint under {load_dir}; nothing loaded")

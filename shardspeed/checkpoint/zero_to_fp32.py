@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +24,9 @@ from shardspeed.checkpoint.consolidate import (
     convert_to_fp32_files,
     get_fp32_state_dict_from_checkpoint,
 )
+from shardspeed.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+from shardspeed.checkpoint.deepspeed_layout import model_states_name
+from shardspeed.checkpoint.foreign_load import deepspeed_tag
 from shardspeed.checkpoint.format import KIND_MASTER, KIND_PARAM, load_manifest
 from shardspeed.utils.logging import logger
 
@@ -37,6 +43,35 @@ def _frozen_names(checkpoint_dir: PathLike, tag: str | None) -> set[str]:
     }
 
 
+def get_model_state_file(checkpoint_dir: PathLike, zero_stage: int) -> str:
+    """DeepSpeed's model states file of tag folder ``checkpoint_dir`` at ``zero_stage``
+    (written with ``"checkpoint": {"layout": "deepspeed"}``; PyTorch Lightning reads it)."""
+    tag_dir = Path(checkpoint_dir)
+    if not tag_dir.is_dir():
+        raise FileNotFoundError(f"directory {str(tag_dir)!r} does not exist")
+    file = tag_dir / model_states_name(3 if int(zero_stage) == 3 else 1)
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{str(file)!r} not found: {str(tag_dir)!r} is not a DeepSpeed-layout ZeRO-"
+            f'{int(zero_stage)} tag. Save with "checkpoint": {{"layout": "deepspeed"}}.'
+        )
+    return str(file)
+
+
+def get_optim_files(checkpoint_dir: PathLike) -> list[str]:
+    """DeepSpeed's ``*_optim_states.pt`` files of tag folder ``checkpoint_dir``, in rank order."""
+    found = sorted(
+        Path(checkpoint_dir).glob("*_optim_states.pt"),
+        key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)],
+    )
+    if not found:
+        raise FileNotFoundError(
+            f"no *_optim_states.pt files in {str(checkpoint_dir)!r}: not a DeepSpeed-layout "
+            'ZeRO tag. Save with "checkpoint": {"layout": "deepspeed"}.'
+        )
+    return [str(f) for f in found]
+
+
 def get_fp32_state_dict_from_zero_checkpoint(
     checkpoint_dir: PathLike,
     tag: str | None = None,
@@ -51,6 +86,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
     streaming :func:`shardspeed.checkpoint.iter_fp32_state_dict` is the memory-frugal path.
     """
     del lazy_mode
+    ds_tag = deepspeed_tag(Path(checkpoint_dir), tag)
+    if ds_tag is not None:  # DeepSpeed's files only: import them first
+        with tempfile.TemporaryDirectory(prefix="shardspeed-import-") as tmp:
+            import_deepspeed_checkpoint(checkpoint_dir, tmp, ds_tag)
+            return get_fp32_state_dict_from_zero_checkpoint(tmp, ds_tag, exclude_frozen_parameters)
     state = get_fp32_state_dict_from_checkpoint(checkpoint_dir, tag)
     if exclude_frozen_parameters:
         for name in _frozen_names(checkpoint_dir, tag):

@@ -545,17 +545,14 @@ KEY_STATUS: dict[str, KeyRule] = {
         "checkpoint.writer",
         "checkpoint.async_save",
         "checkpoint.fsync",
+        "checkpoint.layout",
+        "checkpoint.load_universal",
         "aio.block_size",
         "aio.intra_op_parallelism",
     ),
     **_ignored(
         "rank 0 picks the save directory for every rank, so ranks cannot disagree on the tag",
         "checkpoint.tag_validation",
-    ),
-    **_ignored(
-        "ShardSpeed checkpoints load at any world size, ZeRO stage and pipeline layout "
-        "(DeepSpeed universal-format directories are not read)",
-        "checkpoint.load_universal",
     ),
     **_ignored(
         "every rank writes under save_dir, which must be on a shared filesystem",
@@ -576,6 +573,25 @@ KEY_STATUS: dict[str, KeyRule] = {
     **_ignored(
         "Python's garbage collector stays on; it cannot change training",
         "disable_python_gc",
+    ),
+    # -- elasticity (computes the batch keys per world size; shardspeed.config.elasticity) -----
+    **_used(
+        "the elastic batch search (shardspeed.elasticity), which sets the batch keys",
+        "elasticity.enabled",
+        "elasticity.max_train_batch_size",
+        "elasticity.micro_batch_sizes",
+        "elasticity.min_gpus",
+        "elasticity.max_gpus",
+        "elasticity.num_gpus_per_node",
+        "elasticity.model_parallel_size",
+        "elasticity.prefer_larger_batch",
+        "elasticity.ignore_non_elastic_batch_info",
+        "elasticity.version",
+    ),
+    **_ignored(
+        "read only by a resource scheduler deciding when to rescale the job (as in DeepSpeed, "
+        "the training run never uses it)",
+        "elasticity.min_time",
     ),
     # -- accepted-but-unmodelled top-level keys (acted on by shardspeed.config.legacy) ---------
     **{

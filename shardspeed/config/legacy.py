@@ -57,11 +57,6 @@ UNMODELLED_KEYS: dict[str, UnmodelledKey] = {
         'use "bf16": {"enabled": true} (or "fp16") instead and remove the amp block',
         reject_when_enabled=True,
     ),
-    "elasticity": UnmodelledKey(
-        "elastic batch-size search was removed in DeepSpeed 0.19.7 and is not implemented",
-        "use a fixed batch config and torchrun --max-restarts for fault tolerance",
-        reject_when_enabled=True,
-    ),
     "curriculum_learning": UnmodelledKey(
         "legacy curriculum learning was removed in DeepSpeed 0.19.7 and is not implemented",
         "order or filter samples in your own data loader",

@@ -19,9 +19,10 @@ from pydantic import BeforeValidator, Field, PrivateAttr, field_validator, model
 
 from shardspeed.config.activation_checkpointing import ActivationCheckpointingConfig
 from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain, lower_str
-from shardspeed.config.batch import resolve_batch_triple
+from shardspeed.config.batch import BATCH_KEYS, resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
 from shardspeed.config.collective_check import CollectiveCheckConfig
+from shardspeed.config.elasticity import ElasticTrainingConfig
 from shardspeed.config.key_status import check_key_status
 from shardspeed.config.legacy import UNMODELLED_KEYS, split_unknown, split_unmodelled
 from shardspeed.config.monitoring import (
@@ -98,6 +99,11 @@ class ShardSpeedConfig(ConfigModel):
     )
     managed_gradient_accumulation: bool = Field(
         True, description="Engine decides the accumulation boundary (false: every step() steps)."
+    )
+    elasticity: ElasticTrainingConfig = Field(
+        default_factory=ElasticTrainingConfig,
+        description="Elastic training: when enabled, the three batch keys above are computed "
+        "from this block for the data-parallel world size.",
     )
 
     # -- logging -------------------------------------------------------------------------------
@@ -335,6 +341,11 @@ class ShardSpeedConfig(ConfigModel):
                     fix='use "mean" or ZeRO stage 0-2',
                 ),
             )
+        if self.elasticity.enabled:  # the block computes the batch keys per world size
+            given = {k: getattr(self, k) for k in BATCH_KEYS if getattr(self, k) is not None}
+            self.elasticity.check_batch_keys(given)
+            for key in given:
+                setattr(self, key, None)
         if self.flops_profiler.enabled:
             self.wall_clock_breakdown = True
         if self.vocabulary_size is not None and self.vocabulary_size % 8 != 0:
@@ -351,9 +362,13 @@ class ShardSpeedConfig(ConfigModel):
         """Return a copy with the batch triple resolved for ``dp_world_size`` (all ints).
 
         Resolution starts from the values the user gave, so a resolved config can be
-        re-resolved for another world size.
+        re-resolved for another world size. With elasticity enabled the triple comes from the
+        ``elasticity`` block for this world size instead.
         """
-        tbs, micro, gas = resolve_batch_triple(*self._given_batch, dp_world_size)
+        given = self._given_batch
+        if self.elasticity.enabled:
+            given = self.elasticity.batch_for(dp_world_size)
+        tbs, micro, gas = resolve_batch_triple(*given, dp_world_size)
         resolved = self.model_copy(
             deep=True,
             update={

@@ -6,6 +6,8 @@ CHECKPOINT_DIR OUTPUT_DIR``."""
 from shardspeed.checkpoint.zero_to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
+    get_model_state_file,
+    get_optim_files,
     load_state_dict_from_zero_checkpoint,
     main,
 )
@@ -13,6 +15,8 @@ from shardspeed.checkpoint.zero_to_fp32 import (
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_file",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
 ]
 

@@ -426,16 +426,16 @@ def test_unmodelled_keys_are_warned_about_not_dropped():
         cfg = load_config(
             {
                 "compile": {"deepcompile": True},
-                "elasticity": {"enabled": False},
+                "curriculum_learning": {"enabled": False},
                 "zero_optimization": {"stage": 1},
             }
         )
     finally:
         root.removeHandler(handler)
-    assert set(cfg.ignored_keys) == {"compile", "elasticity"}
+    assert set(cfg.ignored_keys) == {"compile", "curriculum_learning"}
     messages = " ".join(r.getMessage() for r in records if r.levelno == logging.WARNING)
     assert "'compile' is accepted but ignored" in messages
-    assert "'elasticity' is accepted but ignored" in messages
+    assert "'curriculum_learning' is accepted but ignored" in messages
 
 
 def test_misc_views():

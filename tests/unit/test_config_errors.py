@@ -210,8 +210,10 @@ def test_all_errors_are_listed_one_per_line():
 
 
 def test_removed_blocks_are_rejected_when_enabled():
-    err = error_for({"amp": {"enabled": True, "opt_level": "O1"}, "elasticity": {"enabled": True}})
-    assert paths(err) == ["amp", "elasticity"]
+    err = error_for(
+        {"amp": {"enabled": True, "opt_level": "O1"}, "progressive_layer_drop": {"enabled": True}}
+    )
+    assert paths(err) == ["amp", "progressive_layer_drop"]
     assert "Apex AMP is not supported" in str(err) and '"bf16": {"enabled": true}' in str(err)
     err = error_for(
         {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}
