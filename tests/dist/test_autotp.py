@@ -7,7 +7,10 @@
   test writes, and saves each rank's parameter shards, logits, loss and gradients. Our ranks
   shard the same weights at the same time; each rank must hold bit-identical shards under the
   same names and match the logits, loss and shard gradients. DeepSpeed refuses GPT-2 for
-  AutoTP training (checked too).
+  AutoTP training (checked too). DeepSpeed's results are recorded in
+  ``tests/goldens/autotp/shards_tp2.pt.gz`` (shards as shape and sha256, gradients and logits
+  as summaries: norm, sums, 16 entries; the golden variant, run everywhere); the live variant runs where the peers venv has DeepSpeed
+  (``tests/goldens/README.md``).
 * Parity with the unsharded model in one process (forward, loss, full gradients at fp32
   1e-5) and ``state.py`` round trips: every oracle case at tp=2 (GPT-2 included), and Llama,
   tied Llama and GPT-2 at tp=4, and Llama with 2 KV heads at tp=4 (zero-width attention
@@ -16,15 +19,21 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
+import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from goldens import deepspeed_oracle as golden
 
 from shardspeed.parallel.tensor import gather_full_state_dict, load_full_state_dict, tp_model_init
 from shardspeed.parallel.tensor.state import gather_full_tensor
@@ -33,7 +42,6 @@ from shardspeed.testing import assert_close_rel, run_distributed
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
-PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 RTOL, ATOL = 1e-5, 1e-6
 
 LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
@@ -47,7 +55,7 @@ ORACLE_CASES = {
     "gpt2": ("gpt2", dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)),
 }  # fmt: skip
 
-# Written next to the results and run by .venv-peers/bin/python under torchrun (gloo, CPU).
+# Written next to the results and run by the peers venv's python under torchrun (gloo, CPU).
 ORACLE_SCRIPT = r"""
 import json, os, sys, torch
 import deepspeed
@@ -234,30 +242,36 @@ def _ours_body(out_dir: str) -> dict[str, dict]:
     return results
 
 
-def _compare_with_deepspeed(name: str, ours: dict, ds: dict, full: dict) -> None:
-    assert sorted(ours["shards"]) == sorted(ds["shards"]), (
-        f"{name}: parameter names differ from DeepSpeed's"
-    )
-    for pname, shard in ds["shards"].items():
-        mine = ours["shards"][pname]
-        assert mine.shape == shard.shape, (name, pname, tuple(mine.shape), tuple(shard.shape))
-        assert torch.equal(mine, shard), f"{name}: shard of {pname} differs from DeepSpeed's"
-        _close(ours["grads"][pname], ds["grads"][pname], f"{name}: grad of {pname} vs DeepSpeed")
-        split_by_deepspeed = tuple(shard.shape) != tuple(full[pname].shape)
-        assert (pname in ours["split"]) == split_by_deepspeed, f"{name}: {pname} marked wrongly"
-    _close(ours["logits"], ds["logits"], f"{name}: logits vs DeepSpeed")
-    _close(ours["loss"], ds["loss"], f"{name}: loss vs DeepSpeed")
-
-
-@pytest.mark.skipif(
-    not PEERS_PYTHON.exists(), reason="DeepSpeed oracle needs .venv-peers (deepspeed==0.19.8)"
-)
-def test_shards_match_deepspeed_autotp(tmp_path: Path) -> None:
+def _write_inits(out_dir: Path) -> str:
+    """Every oracle case's initial weights and input ids; returns their fingerprint."""
+    tensors = {}
     for name, (kind, kwargs) in ORACLE_CASES.items():
         model = build(kind, kwargs, seed=3)
         torch.manual_seed(4)
         ids = torch.randint(0, kwargs["vocab_size"], (2, 8))
-        torch.save({"full": model.state_dict(), "ids": ids}, tmp_path / f"{name}.init.pt")
+        torch.save({"full": model.state_dict(), "ids": ids}, out_dir / f"{name}.init.pt")
+        tensors.update({f"{name}.{k}": v for k, v in model.state_dict().items()})
+        tensors[f"{name}.ids"] = ids
+    return golden.fingerprint(tensors)
+
+
+@functools.cache
+def _ours() -> tuple[str, Path, list[dict]]:
+    """(inputs fingerprint, folder of the inputs, our per-rank results), once per session."""
+    out_dir = Path(tempfile.mkdtemp(prefix="autotp_oracle_"))
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    inputs = _write_inits(out_dir)
+    return inputs, out_dir, run_distributed(_ours_body, 2, str(out_dir), timeout=150)
+
+
+def _shard_record(shard: torch.Tensor) -> tuple[list[int], str]:
+    return list(shard.shape), golden.fingerprint([shard])
+
+
+def _deepspeed_live(tmp_path: Path) -> dict[str, Any]:
+    """DeepSpeed's AutoTP on every case; per rank its loss, logits, gradients and shards (as
+    shape and sha256: they must be bit-identical) or the error it raised."""
+    inputs = _write_inits(tmp_path)
     script = tmp_path / "ds_autotp_oracle.py"
     script.write_text(ORACLE_SCRIPT)
     env = {
@@ -265,25 +279,76 @@ def test_shards_match_deepspeed_autotp(tmp_path: Path) -> None:
     }
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [
-        str(PEERS_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        golden.live_python(), "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         str(script), json.dumps(ORACLE_CASES), str(tmp_path),
     ]  # fmt: skip
-    deepspeed = subprocess.Popen(
-        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"DeepSpeed oracle failed:\n{done.stdout[-4000:]}{done.stderr}"
+    cases = {}
+    for name in ORACLE_CASES:
+        ranks = [torch.load(tmp_path / f"{name}.rank{r}.pt", weights_only=False) for r in (0, 1)]
+        cases[name] = [
+            {"error": ds["error"]}
+            if "error" in ds
+            else {**ds, "shards": {n: _shard_record(t) for n, t in ds["shards"].items()}}
+            for ds in ranks
+        ]
+    return {"inputs": inputs, "cases": cases}
+
+
+def _compress(data: dict[str, Any]) -> dict[str, Any]:
+    """The golden keeps gradients and logits as summaries (the shards as sha256 already)."""
+
+    def one(ds: dict) -> dict:
+        if "error" in ds:
+            return ds
+        grads = {n: golden.summarize(t) for n, t in ds["grads"].items()}
+        return {**ds, "grads": grads, "logits": golden.summarize(ds["logits"])}
+
+    return {
+        **data,
+        "cases": {name: [one(ds) for ds in ranks] for name, ranks in data["cases"].items()},
+    }
+
+
+def _close_to(actual: torch.Tensor, expected: torch.Tensor | dict, msg: str) -> None:
+    """``expected`` in full (live DeepSpeed) or as the golden's summary."""
+    if isinstance(expected, dict):
+        golden.assert_close_summary(actual, expected, RTOL, ATOL, msg)
+    else:
+        _close(actual, expected, msg)
+
+
+def _compare_with_deepspeed(name: str, ours: dict, ds: dict, full: dict) -> None:
+    assert sorted(ours["shards"]) == sorted(ds["shards"]), (
+        f"{name}: parameter names differ from DeepSpeed's"
     )
-    try:
-        ours = run_distributed(_ours_body, 2, str(tmp_path), timeout=150)  # meanwhile
-        log, _ = deepspeed.communicate(timeout=240)
-    finally:
-        if deepspeed.poll() is None:
-            deepspeed.kill()
-    assert deepspeed.returncode == 0, f"DeepSpeed oracle failed:\n{log[-4000:]}"
+    for pname, (shape, digest) in ds["shards"].items():
+        mine = ours["shards"][pname]
+        assert list(mine.shape) == shape, (name, pname, tuple(mine.shape), tuple(shape))
+        assert golden.fingerprint([mine]) == digest, (
+            f"{name}: shard of {pname} differs from DeepSpeed's"
+        )
+        _close_to(ours["grads"][pname], ds["grads"][pname], f"{name}: grad of {pname} vs DS")
+        split_by_deepspeed = tuple(shape) != tuple(full[pname].shape)
+        assert (pname in ours["split"]) == split_by_deepspeed, f"{name}: {pname} marked wrongly"
+    _close_to(ours["logits"], ds["logits"], f"{name}: logits vs DeepSpeed")
+    _close(ours["loss"], ds["loss"], f"{name}: loss vs DeepSpeed")
+
+
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
+def test_shards_match_deepspeed_autotp(source: str, tmp_path: Path) -> None:
+    theirs = golden.deepspeed_side(
+        source, "autotp", "shards_tp2.pt.gz", lambda: _deepspeed_live(tmp_path), _compress
+    )
+    inputs, out_dir, ours = _ours()
+    golden.check_inputs(theirs, inputs, "autotp oracle")
     checked = []
     for name, (kind, _) in ORACLE_CASES.items():
-        full = torch.load(tmp_path / f"{name}.init.pt")["full"]
+        full = torch.load(out_dir / f"{name}.init.pt")["full"]
         for rank in (0, 1):
-            ds = torch.load(tmp_path / f"{name}.rank{rank}.pt", weights_only=False)
+            ds = theirs["cases"][name][rank]
             if kind == "gpt2":  # DeepSpeed refuses; ours matched the unsharded model above
                 assert "AutoTP not supported" in ds.get("error", ""), ds.get("error")
                 continue

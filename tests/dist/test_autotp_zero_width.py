@@ -5,9 +5,9 @@ and ranks 2-3 none: their q/k/v (column) and o_proj (row) shards have width 0, t
 zeros to the row-parallel sum, and the model computes exactly the one-process math.
 DeepSpeed trains this layout; so must we, with the same shards and losses.
 
-* Oracle (skips without ``.venv-peers``): the DeepSpeed client script of
-  ``test_autotp_deepspeed_losses`` at tp=4 -- same per-step losses (2e-5 relative) and every
-  rank's parameter shapes equal to DeepSpeed's.
+* Oracle: the DeepSpeed client script of ``test_autotp_deepspeed_losses`` at tp=4 -- same
+  per-step losses (2e-5 relative) and every rank's parameter shapes equal to DeepSpeed's
+  (recorded in ``tests/goldens/autotp/``; live too where the peers venv has DeepSpeed).
 * Parity and checkpoints (no DeepSpeed): tp=4 at ZeRO 1 saved and resumed at tp=1 (dp=2,
   ZeRO 3), and tp=4 at ZeRO 3 resumed at the same layout; losses and final weights match a
   one-process run (``test_tp_checkpoint._run_matrix``); the tp=4 checkpoint consolidates to
@@ -16,12 +16,12 @@ DeepSpeed trains this layout; so must we, with the same shards and losses.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_autotp_deepspeed_losses import LLAMA, PEERS_PYTHON, RTOL, SCRIPT, STEPS, _launch
+from goldens import deepspeed_oracle as golden
+from test_autotp_deepspeed_losses import LLAMA, RTOL, deepspeed_run, ours_run
 from test_tp_checkpoint import _run_matrix
 
 pytest.importorskip("transformers")
@@ -30,19 +30,10 @@ TP = 4
 ZERO_WIDTH = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _oracle(stage: int, tmp_path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _oracle(source: str, stage: int, tmp_path: Path) -> None:
     assert LLAMA["num_key_value_heads"] < TP
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA))
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, LLAMA["vocab_size"], (2, 16), generator=g) for _ in range(STEPS)]
-    torch.save({"config": LLAMA, "state": model.state_dict(), "batches": batches},
-               tmp_path / "init.pt")  # fmt: skip
-    (tmp_path / "client.py").write_text(SCRIPT)
-    theirs = _launch(PEERS_PYTHON, "deepspeed", stage, tmp_path, tp=TP)
-    ours = _launch(sys.executable, "shardspeed", stage, tmp_path, tp=TP)
+    theirs = deepspeed_run(source, stage, TP, tmp_path)
+    ours = ours_run(stage, TP)[1]
     for rank, (mine, ds) in enumerate(zip(ours, theirs)):
         assert mine["shapes"] == ds["shapes"], f"rank {rank}: shard shapes differ from DeepSpeed"
         assert mine["numel"] == ds["numel"], (rank, mine["numel"], ds["numel"])
@@ -52,18 +43,18 @@ def _oracle(stage: int, tmp_path: Path) -> None:
     assert [r["shapes"][q][0] for r in ours] == [16, 16, 0, 0]  # the layout under test
 
 
-@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="needs .venv-peers (make bench-peers)")
-def test_zero_width_autotp_matches_deepspeed_losses(tmp_path: Path) -> None:
-    _oracle(1, tmp_path)
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
+def test_zero_width_autotp_matches_deepspeed_losses(source: str, tmp_path: Path) -> None:
+    _oracle(source, 1, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="needs .venv-peers (make bench-peers)")
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
 @pytest.mark.parametrize("stage", [0, 2])
 def test_zero_width_autotp_matches_deepspeed_losses_other_stages(
-    stage: int, tmp_path: Path
+    source: str, stage: int, tmp_path: Path
 ) -> None:
-    _oracle(stage, tmp_path)
+    _oracle(source, stage, tmp_path)
 
 
 def test_zero_width_autotp_trains_and_reshards(tmp_path: Path) -> None:

@@ -20,9 +20,10 @@ before clipping and stepping: DeepSpeed 0.19.8's fp16 stage 0 clips against a th
 ShardSpeed does not copy that, so the fp16 cases run Adam without clipping, and the
 FusedAdam wrapper's reported norm (divided by the scale once more) is not compared.
 
-The oracle tests skip without ``.venv-peers``; :func:`test_which_engines_take_the_step`
-checks the rule itself (which stages, dtypes, pipelines and config values step, what
-moves) without DeepSpeed.
+DeepSpeed's results are recorded in ``tests/goldens/bf16_stage0/`` (the golden variant of
+every oracle test, run everywhere); the live variant runs where the peers venv has
+DeepSpeed (``tests/goldens/README.md``). :func:`test_which_engines_take_the_step` checks
+the rule itself (which stages, dtypes, pipelines and config values step, what moves).
 """
 
 from __future__ import annotations
@@ -34,12 +35,12 @@ from typing import Any
 
 import pytest
 import torch
-from bf16_stage0_oracle_worker import CLIP, STEPS, shardspeed_rank
+from bf16_stage0_oracle_worker import CLIP, STEPS, DenseLM, shardspeed_rank
+from goldens import deepspeed_oracle as golden
 
 from shardspeed.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 WORKER = Path(__file__).with_name("bf16_stage0_oracle_worker.py")
 LOSS_TOL = {"rtol": 0.0, "atol": 2e-3}  # the issue's bar for per-step losses
 NORM_TOL = {"rtol": 1e-3, "atol": 0.0}  # FusedAdam and torch's AdamW may round apart
@@ -48,29 +49,39 @@ FP16 = ["fp16:config:2", "fp16:client:1"]
 OPT_OUT = "bf16:client-none:2"  # ShardSpeed only; compared with DeepSpeed's bf16:client:2
 
 
-def _peers_have_deepspeed() -> bool:
-    if not PEERS_PYTHON.exists():
-        return False
-    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"
-    return subprocess.run([str(PEERS_PYTHON), "-c", find], capture_output=True).returncode == 0
+def _initial_weights() -> str:
+    """Fingerprint of the client's initial weights (seeded as ``train_cases`` seeds them)."""
+    torch.manual_seed(1234)
+    return golden.fingerprint(DenseLM().state_dict())
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
-    """(DeepSpeed's, ShardSpeed's) results per rank, every case."""
-    if not _peers_have_deepspeed():
-        pytest.skip(
-            f"DeepSpeed 0.19.8 is not installed in {PEERS_PYTHON.parent.parent} (CI has no "
-            "peers venv); this oracle test needs it"
-        )
-    result_dir = tmp_path_factory.mktemp("bf16_stage0_ds")
-    cmd = [str(PEERS_PYTHON), "-m", "torch.distributed.run", "--standalone"]
+def _deepspeed_live(result_dir: Path) -> dict[str, Any]:
+    cmd = [golden.live_python(), "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc_per_node", "2", str(WORKER), str(result_dir), *BF16, *FP16]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ds = [torch.load(result_dir / f"rank{r}.pt") for r in range(2)]
-    return ds, run_distributed(shardspeed_rank, 2, [*BF16, *FP16, OPT_OUT], timeout=300)
+    ranks = [torch.load(result_dir / f"rank{r}.pt") for r in range(2)]
+    return {"inputs": _initial_weights(), "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def ours() -> list[Any]:
+    """ShardSpeed's results per rank, every case (once: both variants compare with them)."""
+    return run_distributed(shardspeed_rank, 2, [*BF16, *FP16, OPT_OUT], timeout=300)
+
+
+@pytest.fixture(scope="module", params=golden.ORACLE_SOURCES)
+def runs(
+    request: pytest.FixtureRequest, ours: list[Any], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[list[Any], list[Any]]:
+    """(DeepSpeed's, ShardSpeed's) results per rank, every case."""
+    result_dir = tmp_path_factory.mktemp("bf16_stage0_ds")
+    theirs = golden.deepspeed_side(
+        request.param, "bf16_stage0", "deepspeed_0198.json", lambda: _deepspeed_live(result_dir)
+    )
+    golden.check_inputs(theirs, _initial_weights(), "bf16 stage 0 client")
+    return theirs["ranks"], ours
 
 
 def _check_losses_and_steps(runs: tuple[list[Any], list[Any]], case: str) -> None:

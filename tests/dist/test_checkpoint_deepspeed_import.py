@@ -5,18 +5,23 @@ and saves; ``shardspeed checkpoint from-deepspeed`` converts the folder; a Shard
 engine (world 2, ZeRO-1) loads it. Parameters and Adam moments equal DeepSpeed's
 consolidated ones (1e-6) and 2 further steps give DeepSpeed's losses (1e-5).
 
-Needs DeepSpeed, which CI does not install: run with the peers venv,
-``.venv-peers/bin/python -m pytest tests/dist/test_checkpoint_deepspeed_import.py``.
+DeepSpeed's checkpoint folders (``global_step3``, without its ``zero_to_fp32.py``) and its
+consolidated state (masters; Adam moments as sha256, imported bit for bit) and losses are
+checked in under ``tests/goldens/checkpoint_import/`` (the
+golden variant, run everywhere, with no DeepSpeed installed); the live variant runs
+DeepSpeed where the peers venv has it (``tests/goldens/README.md``).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from goldens import deepspeed_oracle as golden
 from parity_common import ParitySpec, make_model, micro_batch
 
 from shardspeed.testing import run_distributed
@@ -83,13 +88,49 @@ def _deepspeed_rank(save_dir: str, stage: int, result_dir: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _run_deepspeed(save_dir: Path, stage: int, result_dir: Path) -> list[dict]:
+def _run_deepspeed(save_dir: Path, stage: int, result_dir: Path) -> dict:
+    """DeepSpeed's run: its consolidated state at the save (the same on every rank) and
+    each rank's losses after it."""
     result_dir.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [__file__, str(save_dir), str(stage), str(result_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    cmd = [golden.live_python(), "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", "2", __file__, str(save_dir), str(stage), str(result_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=golden.live_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [torch.load(result_dir / f"rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(result_dir / f"rank{r}.pt") for r in range(2)]
+    return {"state": ranks[0]["state"], "losses": [r["losses"] for r in ranks]}
+
+
+def _compress(ds: dict) -> dict:
+    """The golden keeps the masters; the Adam moments (the import copies them bit for bit)
+    as one sha256 each."""
+    state = {
+        name: {k: v if k == "master" else golden.fingerprint([v]) for k, v in kinds.items()}
+        for name, kinds in ds["state"].items()
+    }
+    return {**ds, "state": state, "recorded_with": golden.recorded_with()}
+
+
+def _assert_imported(value: torch.Tensor, expected: torch.Tensor | str, what: str) -> None:
+    if isinstance(expected, str):  # the golden's sha256: bit-identical
+        assert golden.fingerprint([value]) == expected, f"{what} differs from DeepSpeed's"
+    else:
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=what)
+
+
+def _deepspeed_checkpoint(source: str, stage: int, tmp_path: Path) -> tuple[Path, dict]:
+    """(DeepSpeed's checkpoint folder, its run's results): checked in, or written live."""
+    topic, folder = "checkpoint_import", f"zero{stage}"
+    recorded = golden.golden_path(topic, folder)
+    if source == "golden":
+        return recorded / "checkpoint", golden.load(topic, f"{folder}/expected.pt")
+    ds_dir = tmp_path / "ds"
+    ds = _run_deepspeed(ds_dir, stage, tmp_path / "ds_results")
+    if golden.recording():
+        shutil.rmtree(recorded / "checkpoint", ignore_errors=True)
+        # zero_to_fp32.py: DeepSpeed's consolidation script, copied into every save folder
+        shutil.copytree(ds_dir, recorded / "checkpoint", ignore=shutil.ignore_patterns("*.py"))
+        golden.save(topic, f"{folder}/expected.pt", _compress(ds))
+    return ds_dir, ds
 
 
 def _shardspeed_rank(ckpt_dir: str) -> dict:
@@ -124,38 +165,34 @@ def _imported(tag_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
 @pytest.mark.parametrize("ds_stage", [2, 3])
-def test_import_deepspeed_and_resume(tmp_path: Path, ds_stage: int) -> None:
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is not installed (only in .venv-peers); this test needs a real "
-        "DeepSpeed checkpoint",
-    )
+def test_import_deepspeed_and_resume(tmp_path: Path, ds_stage: int, source: str) -> None:
     from shardspeed.launcher.checkpoint_cmd import main as checkpoint_main
 
-    ds_dir, out_dir = tmp_path / "ds", tmp_path / "ss"
-    ds = _run_deepspeed(ds_dir, ds_stage, tmp_path / "ds_results")
+    ds_dir, ds = _deepspeed_checkpoint(source, ds_stage, tmp_path)
+    out_dir = tmp_path / "ss"
     assert checkpoint_main(["from-deepspeed", str(ds_dir), str(out_dir)]) == 0
     assert (out_dir / "latest").read_text() == "global_step3"
 
     saved = _imported(out_dir / "global_step3")
-    expected = ds[0]["state"]
+    expected = ds["state"]
     assert set(saved) == set(expected) - {"lm_head.weight"}  # tied to wte.weight
-    assert ds[0]["state"]["wte.weight"]["exp_avg"].abs().max() > 1e-4  # real Adam state
+    assert saved["wte.weight"]["exp_avg"].abs().max() > 1e-4  # real Adam state
     for name, kinds in saved.items():
         assert set(kinds) == {"master", "exp_avg", "exp_avg_sq"}, name
         for kind, value in kinds.items():
-            torch.testing.assert_close(value, expected[name][kind], rtol=0, atol=1e-6)
+            _assert_imported(value, expected[name][kind], f"{name} {kind}")
 
     ours = run_distributed(_shardspeed_rank, 2, str(out_dir), timeout=300)
     for rank in range(2):
-        assert len(ours[rank]["losses"]) == len(ds[rank]["losses"]) == MORE_STEPS
+        assert len(ours[rank]["losses"]) == len(ds["losses"][rank]) == MORE_STEPS
         assert ours[rank]["counters"] == (3, 12, {"last_batch_iteration": 2})
         for name, value in ours[rank]["params"].items():
             torch.testing.assert_close(value, expected[name]["master"], rtol=0, atol=1e-6)
         torch.testing.assert_close(
             torch.tensor(ours[rank]["losses"]),
-            torch.tensor(ds[rank]["losses"]),
+            torch.tensor(ds["losses"][rank]),
             rtol=1e-5,
             atol=1e-5,
         )

@@ -18,7 +18,9 @@ then about 0.74 lr, not lr), which ShardSpeed's engine reproduces by default (co
 ``initial_zero_grad_step``), so the whole trajectory matches too: losses within the
 issue's 2e-3, norms within 1e-3 (after an update DeepSpeed's FusedAdam and torch's Adam
 may round a bf16 parameter apart). The 4-rank runs (ep 2 x expert_data 2, ZeRO 0/1/2) are
-``slow``. Skips without ``.venv-peers``.
+``slow``. DeepSpeed's results are recorded in ``tests/goldens/moe/`` (the golden variant,
+run everywhere); the live variant runs where the peers venv has DeepSpeed
+(``tests/goldens/README.md``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,12 @@ from typing import Any
 
 import pytest
 import torch
-from moe_bf16_oracle_worker import Case, shardspeed_rank
+from goldens import deepspeed_oracle as golden
+from moe_bf16_oracle_worker import Case, parse_case, shardspeed_rank
 
 from shardspeed.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 WORKER = Path(__file__).with_name("moe_bf16_oracle_worker.py")
 LOSS_TOL = {"rtol": 0.0, "atol": 2e-3}  # the issue's bar for per-step losses
 NORM_TOL = {"rtol": 1e-5, "atol": 0.0}  # same bf16 gradients, norms summed in fp32
@@ -44,33 +46,45 @@ LATER_NORM_TOL = {"rtol": 1e-3, "atol": 0.0}
 CASES: list[Case] = [(0, k, opt) for k in (1, 2) for opt in ("client", "config")]
 
 
-def _peers_have_deepspeed() -> bool:
-    if not PEERS_PYTHON.exists():
-        return False
-    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"
-    return subprocess.run([str(PEERS_PYTHON), "-c", find], capture_output=True).returncode == 0
+def _case_text(case: Case) -> str:
+    return ":".join(map(str, case))
 
 
-def _run_both(result_dir: Path, world: int, cases: list[Case]) -> tuple[list[Any], list[Any]]:
-    """(DeepSpeed's, ShardSpeed's) results per rank."""
-    if not _peers_have_deepspeed():
-        pytest.skip(
-            f"DeepSpeed 0.19.8 is not installed in {PEERS_PYTHON.parent.parent} (CI has no "
-            "peers venv); this oracle test needs it"
-        )
-    cmd = [str(PEERS_PYTHON), "-m", "torch.distributed.run", "--standalone"]
+def _deepspeed_live(result_dir: Path, world: int, cases: list[Case]) -> dict[str, Any]:
+    cmd = [golden.live_python(), "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc_per_node", str(world), str(WORKER), str(result_dir)]
-    cmd += [f"{stage}:{k}:{opt}" for stage, k, opt in cases]
+    cmd += [_case_text(case) for case in cases]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ds = [torch.load(result_dir / f"rank{r}.pt") for r in range(world)]
-    return ds, run_distributed(shardspeed_rank, world, cases, timeout=300)
+    ranks = [torch.load(result_dir / f"rank{r}.pt") for r in range(world)]
+    return {"ranks": [{_case_text(c): v for c, v in rank.items()} for rank in ranks]}
+
+
+def _deepspeed(source: str, result_dir: Path, world: int, cases: list[Case]) -> list[Any]:
+    """DeepSpeed's results per rank: recorded (``source="golden"``) or run live."""
+    name = f"bf16_norm_world{world}_" + "_".join(_case_text(c).replace(":", "-") for c in cases)
+    theirs = golden.deepspeed_side(
+        source, "moe", f"{name}.json", lambda: _deepspeed_live(result_dir, world, cases)
+    )
+    return [{parse_case(c): v for c, v in rank.items()} for rank in theirs["ranks"]]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], list[Any]]:
-    return _run_both(tmp_path_factory.mktemp("moe_bf16_ds"), 2, CASES)
+def two_ranks_ours() -> list[Any]:
+    """ShardSpeed's results per rank (once: both variants compare with them)."""
+    return run_distributed(shardspeed_rank, 2, CASES, timeout=300)
+
+
+@pytest.fixture(scope="module", params=golden.ORACLE_SOURCES)
+def two_ranks(
+    request: pytest.FixtureRequest,
+    two_ranks_ours: list[Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[list[Any], list[Any]]:
+    """(DeepSpeed's, ShardSpeed's) results per rank."""
+    result_dir = tmp_path_factory.mktemp("moe_bf16_ds")
+    return _deepspeed(request.param, result_dir, 2, CASES), two_ranks_ours
 
 
 def _check_deepspeed_rule(theirs: dict[str, Any], opt: str, where: str) -> None:
@@ -126,13 +140,17 @@ def test_moe_bf16_stage0_trajectory_matches_deepspeed(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_moe_bf16_four_ranks_expert_data_2_matches_deepspeed(stage: int, tmp_path: Path) -> None:
+def test_moe_bf16_four_ranks_expert_data_2_matches_deepspeed(
+    source: str, stage: int, tmp_path: Path
+) -> None:
     """4 ranks, ep 2: experts replicated over expert_data 2. The dense gradients are summed
     over 4 ranks in bf16 (DeepSpeed in its own bucket layout), so the norms agree to bf16
     reduction rounding (rtol 1e-2) rather than fp32's; the losses to the issue's 2e-3."""
     cases: list[Case] = [(stage, k, "client") for k in (1, 2)]
-    ds, ours = _run_both(tmp_path, 4, cases)
+    ds = _deepspeed(source, tmp_path, 4, cases)
+    ours = run_distributed(shardspeed_rank, 4, cases, timeout=300)
     for rank in range(4):
         for case in cases:
             mine, theirs = ours[rank][case], ds[rank][case]

@@ -24,13 +24,16 @@ sharded over ``expert_data`` = 2), ep 4 on 4 ranks. ``slow``: saves at ZeRO 0, 1
 DeepSpeed's MoE layout (``layer_*_expert_*_mp_rank_00_model_states.pt`` + ZeRO partitions
 of each ep rank's experts) imports with ``import_deepspeed_checkpoint``: a hand-built
 folder in that layout (ep 2 over 4 ranks, padded partitions) by default; a real DeepSpeed
-0.19 run (ep 2, ZeRO 2, Adam) with ``.venv-peers`` (skipped where DeepSpeed is missing),
-whose imported masters and Adam moments must equal DeepSpeed's and whose continued losses
-at ep 2 (2 ranks) and ep 1 (1 rank) must equal DeepSpeed's (1e-5).
+0.19 run (ep 2, ZeRO 2, Adam), whose imported masters and Adam moments must equal
+DeepSpeed's and whose continued losses at ep 2 (2 ranks) and ep 1 (1 rank) must equal
+DeepSpeed's (1e-5). That run's checkpoint folder and results are checked in under
+``tests/goldens/checkpoint_import/moe_ep2_zero2/`` (the golden variant, run everywhere);
+the live variant runs DeepSpeed where the peers venv has it (``tests/goldens/README.md``).
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +41,7 @@ from typing import Any
 
 import pytest
 import torch
+from goldens import deepspeed_oracle as golden
 from test_moe_engine import EXPERT_PREFIX, EXPERTS, _batch, _local_state, _Net
 
 from shardspeed.testing import assert_close_rel, run_distributed
@@ -436,22 +440,36 @@ def _resume_imported(ckpt_dir: str, ep: int) -> list[float]:
     return losses
 
 
-def test_import_real_deepspeed_moe_checkpoint_and_resume(tmp_path: Path) -> None:
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is not installed (only in .venv-peers); this test needs a real "
-        "DeepSpeed MoE checkpoint",
-    )
-    from shardspeed.checkpoint.deepspeed_import import import_deepspeed_checkpoint
-
+def _deepspeed_moe_checkpoint(source: str, tmp_path: Path) -> tuple[Path, list[dict]]:
+    """(DeepSpeed's MoE checkpoint folder, each rank's results): checked in, or run live."""
+    topic, folder = "checkpoint_import", "moe_ep2_zero2"
+    recorded = golden.golden_path(topic, folder)
+    if source == "golden":
+        return recorded / "checkpoint", golden.load(topic, f"{folder}/expected.pt")["ranks"]
     ds_dir, results = tmp_path / "ds", tmp_path / "ds_results"
     results.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*cmd, __file__, str(ds_dir), str(results)], capture_output=True, text=True, timeout=300
-    )
+    cmd = [golden.live_python(), "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", "2", __file__, str(ds_dir), str(results)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=golden.live_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ds = [torch.load(results / f"rank{r}.pt") for r in range(2)]
+    if golden.recording():
+        shutil.rmtree(recorded / "checkpoint", ignore_errors=True)
+        # zero_to_fp32.py: DeepSpeed's consolidation script, copied into every save folder
+        shutil.copytree(ds_dir, recorded / "checkpoint", ignore=shutil.ignore_patterns("*.py"))
+        golden.save(
+            topic,
+            f"{folder}/expected.pt",
+            {"ranks": ds, **{"recorded_with": golden.recorded_with()}},
+        )
+    return ds_dir, ds
+
+
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
+def test_import_real_deepspeed_moe_checkpoint_and_resume(source: str, tmp_path: Path) -> None:
+    from shardspeed.checkpoint.deepspeed_import import import_deepspeed_checkpoint
+
+    ds_dir, ds = _deepspeed_moe_checkpoint(source, tmp_path)
     assert sorted(p.name for p in (ds_dir / f"global_step{SAVE_AT}").glob("layer_0_expert_*")) == [
         f"layer_0_expert_{g}_mp_rank_00_model_states.pt" for g in range(EXPERTS)
     ]

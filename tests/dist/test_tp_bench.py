@@ -9,11 +9,15 @@ warm gloo ranks from ``shardspeed.testing`` instead of through ``torch.distribut
   at every step; the report prints the ratio table and the scaling line from them;
 * the row plan and flag checks of the parent script.
 
-The slow test runs the script end to end against DeepSpeed (needs ``.venv-peers``).
+Against DeepSpeed: the DeepSpeed rows' step-1 losses (AutoTP tp=2, Ulysses sp=2) are
+recorded in ``tests/goldens/autotp/tp_bench_*.json`` and must equal our rows' (the golden
+variant, run everywhere); the slow live variant runs the script end to end, DeepSpeed rows
+included, where the peers venv has DeepSpeed (``tests/goldens/README.md``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -23,12 +27,12 @@ from typing import Any
 
 import pytest
 import torch
+from goldens import deepspeed_oracle as golden
 
 from shardspeed.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 TINY = dict(n_layer=1, n_embd=32, n_head=4, n_kv_head=2, intermediate_size=48,
             block_size=32, vocab_size=64, micro_batch=2, steps=2, warmup=1)  # fmt: skip
 RTOL = 1e-5
@@ -50,13 +54,19 @@ def _row_body(kind: str, engine: str, degree: int) -> dict[str, Any]:
     return {**row.to_dict(), "label": row.label, "stage": 1, **result}
 
 
+@functools.cache
+def _row(kind: str, engine: str, degree: int) -> list[dict[str, Any]]:
+    """Every rank's result of one row (once per session: several tests read it)."""
+    return run_distributed(_row_body, degree, kind, engine, degree, timeout=150)
+
+
 def test_autotp_row_trains_with_the_one_process_loss() -> None:
     pytest.importorskip("transformers")
     _import_bench()
     from trainbench.llama import LlamaWorkload, build_llama, hf_causal_lm_loss
     from trainbench.workload import make_batches
 
-    ranks = run_distributed(_row_body, 2, "tp", "shardspeed", 2, timeout=150)
+    ranks = _row("tp", "shardspeed", 2)
     ours = ranks[0]
     assert ours["status"] == "ok", ours
     assert "losses" not in ranks[1], "only rank 0 reports the row"
@@ -75,8 +85,8 @@ def test_ulysses_rows_agree_with_full_attention(capsys: pytest.CaptureFixture[st
     _import_bench()
     from trainbench.tp_report import print_tp_report
 
-    full = run_distributed(_row_body, 1, "ulysses", "full", 1, timeout=120)[0]
-    ours = run_distributed(_row_body, 2, "ulysses", "shardspeed", 2, timeout=120)[0]
+    full = _row("ulysses", "full", 1)[0]
+    ours = _row("ulysses", "shardspeed", 2)[0]
     assert full["status"] == ours["status"] == "ok", (full, ours)
     assert ours["world_size"] == 2 and full["world_size"] == 1
     for step, (mine, ref) in enumerate(zip(ours["losses"], full["losses"])):
@@ -114,12 +124,13 @@ def _tiny_flags() -> list[str]:
     return [x for k, v in TINY.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="needs .venv-peers (make bench-peers)")
-@pytest.mark.parametrize("rows", [["--tp", "2"], ["--ulysses", "--sp", "2"]], ids=["tp", "sp"])
-def test_script_end_to_end_against_deepspeed(rows: list[str], tmp_path: Path) -> None:
+ROWS = {"tp": ["--tp", "2"], "sp": ["--ulysses", "--sp", "2"]}
+OURS = {"tp": ("tp", "shardspeed", 2), "sp": ("ulysses", "shardspeed", 2)}
+
+
+def _run_script(rows: list[str], tmp_path: Path) -> list[dict[str, Any]]:
     out = tmp_path / "result.json"
-    cmd = [str(PEERS_PYTHON), str(BENCH / "tp_bench.py"), *rows, *_tiny_flags()]
+    cmd = [golden.live_python(), str(BENCH / "tp_bench.py"), *rows, *_tiny_flags()]
     cmd += ["--json-out", str(out), "--log-dir", str(tmp_path / "logs")]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -128,3 +139,30 @@ def test_script_end_to_end_against_deepspeed(rows: list[str], tmp_path: Path) ->
     assert all(r["status"] == "ok" for r in results), results
     first = [r["loss_step1"] for r in results]
     assert max(first) - min(first) <= RTOL * abs(first[0]), first
+    return results
+
+
+def _deepspeed_rows(which: str, tmp_path: Path) -> dict[str, Any]:
+    """The script end to end (every row), DeepSpeed's rows kept for the golden."""
+    results = _run_script(ROWS[which], tmp_path)
+    keep = ("label", "losses", "loss_step1")
+    return {"rows": [{k: r[k] for k in keep} for r in results if r["engine"] == "deepspeed"]}
+
+
+# the live variant runs the whole script (DeepSpeed imports included): slow
+SOURCES = [s if s == "golden" else pytest.param(s, marks=pytest.mark.slow)
+           for s in golden.ORACLE_SOURCES]  # fmt: skip
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("which", list(ROWS))
+def test_script_rows_match_deepspeed(source: str, which: str, tmp_path: Path) -> None:
+    theirs = golden.deepspeed_side(
+        source, "autotp", f"tp_bench_{which}.json", lambda: _deepspeed_rows(which, tmp_path)
+    )["rows"]
+    assert theirs, "no DeepSpeed row"
+    ours = _row(*OURS[which])[0]
+    for row in theirs:
+        assert abs(ours["loss_step1"] - row["loss_step1"]) <= RTOL * abs(row["loss_step1"]), (
+            f"{row['label']}: DeepSpeed {row['loss_step1']} vs ours {ours['loss_step1']}"
+        )

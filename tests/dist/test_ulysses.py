@@ -8,8 +8,10 @@
 * A tiny Hugging Face Llama (GQA) made sequence-parallel with ``make_hf_sequence_parallel``:
   loss equal to the one-process model's on the full batch, and every parameter gradient,
   summed over data x sequence and divided by dp (the engine's rule), equal to its gradient.
-* Oracle: DeepSpeed 0.19.8's ``DistributedAttention`` (``.venv-peers``, torch.distributed.run,
-  gloo) on the same inputs gives the same outputs and gradients; skipped without the venv.
+* Oracle: DeepSpeed 0.19.8's ``DistributedAttention`` (torch.distributed.run, gloo) on the
+  same inputs gives the same outputs and gradients: recorded in
+  ``tests/goldens/ulysses/`` (the golden variant, run everywhere), and live where the peers
+  venv has DeepSpeed (``tests/goldens/README.md``).
 
 One ``run_distributed`` call per (world size, body) loops over the cases.
 """
@@ -17,7 +19,6 @@ One ``run_distributed`` call per (world size, body) loops over the cases.
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from goldens import deepspeed_oracle as golden
 
 from shardspeed import comm
 from shardspeed.testing import assert_close_rel, run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, BATCH, HEAD_DIM = 8, 2, 4
 
@@ -295,26 +296,21 @@ def _shardspeed_oracle_rank() -> dict[str, Any]:
     return _oracle_cases(DistributedAttention, sequence_group(2))
 
 
-def _peers_have_deepspeed() -> bool:
-    if not PEERS_PYTHON.exists():
-        return False
-    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"
-    return subprocess.run([str(PEERS_PYTHON), "-c", find], capture_output=True).returncode == 0
-
-
-def test_distributed_attention_matches_deepspeed(tmp_path: Path) -> None:
-    if not _peers_have_deepspeed():
-        pytest.skip(
-            f"DeepSpeed 0.19.8 is not installed in {PEERS_PYTHON.parent.parent} (CI has no "
-            "peers venv); this oracle test needs it"
-        )
-    cmd = [str(PEERS_PYTHON), "-m", "torch.distributed.run", "--standalone"]
-    cmd += ["--nproc_per_node", "2", __file__, str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+def _run_deepspeed(result_dir: Path) -> dict[str, Any]:
+    cmd = [golden.live_python(), "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc_per_node", "2", __file__, str(result_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=golden.live_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    theirs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    return {"ranks": [torch.load(result_dir / f"rank{r}.pt") for r in range(2)]}
+
+
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
+def test_distributed_attention_matches_deepspeed(source: str, tmp_path: Path) -> None:
+    theirs = golden.deepspeed_side(
+        source, "ulysses", "distributed_attention.pt.gz", lambda: _run_deepspeed(tmp_path)
+    )["ranks"]
     ours = run_distributed(_shardspeed_oracle_rank, 2, timeout=120)
+    assert all(ours[rank].keys() == theirs[rank].keys() for rank in range(2))
     for rank in range(2):
         for case, expected in theirs[rank].items():
             for name, value in expected.items():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from integration_env import worker_env
+from integration_env import free_port, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -33,13 +32,6 @@ def _need(*names: str) -> None:
     for name in names:
         if importlib.util.find_spec(name) is None:
             pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now (for a worker's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

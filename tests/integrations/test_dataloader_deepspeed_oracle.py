@@ -6,8 +6,9 @@ data-parallel sizes and ``dataloader_drop_last``, and records per rank the lengt
 passes of sample ids and the global RNG draw after each pass. They must be identical:
 DeepSpeed replays one order every pass (its ``DistributedSampler`` epoch is never
 advanced), pads the dataset to a multiple of the data-parallel size, and each iterator
-takes one number from the global RNG. Skips where ``.venv-peers`` is absent (CI); the
-ShardSpeed-only tests below always run.
+takes one number from the global RNG. DeepSpeed's orders are recorded in
+``tests/goldens/dataloader/`` (the golden variant, run everywhere); the live variant runs
+where the peers venv has DeepSpeed (``tests/goldens/README.md``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import Any
 import pytest
 import torch
 from dataloader_order_cases import Ids, orders
+from goldens import deepspeed_oracle as golden
 
 from shardspeed.runtime.dataloader import ShardSpeedDataLoader
 
-ROOT = Path(__file__).resolve().parents[2]
-PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 HERE = Path(__file__).resolve().parent
 
 
@@ -35,17 +35,22 @@ def shardspeed_loader(dataset: Any, micro: int, dp: int, rank: int, drop_last: b
     )
 
 
-@pytest.mark.skipif(not PEERS_PYTHON.exists(), reason="needs .venv-peers (make bench-peers)")
-def test_same_order_and_rng_use_as_deepspeed(tmp_path: Path) -> None:
-    out = tmp_path / "deepspeed.json"
+def _deepspeed_orders(out: Path) -> dict[str, Any]:
     done = subprocess.run(
-        [str(PEERS_PYTHON), str(HERE / "dataloader_order_cases.py"), str(out)],
+        [golden.live_python(), str(HERE / "dataloader_order_cases.py"), str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(out.read_text())
+    return {"orders": json.loads(out.read_text())}
+
+
+@pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
+def test_same_order_and_rng_use_as_deepspeed(source: str, tmp_path: Path) -> None:
+    theirs = golden.deepspeed_side(
+        source, "dataloader", "orders.json", lambda: _deepspeed_orders(tmp_path / "ds.json")
+    )["orders"]
     ours = orders(shardspeed_loader)
     assert ours.keys() == theirs.keys()
     for key in theirs:

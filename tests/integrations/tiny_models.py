@@ -1,9 +1,12 @@
-"""The tiny Hugging Face Llama and token rows the integration workers train on."""
+"""The tiny Hugging Face Llama, tokenizer and token rows the integration workers train on."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Split
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 
 def tiny_llama(seed: int, seq: int, vocab: int) -> LlamaForCausalLM:
@@ -30,3 +33,30 @@ def token_rows(seed: int, samples: int, seq: int, vocab: int) -> list[dict[str, 
         ids = torch.randint(0, vocab, (seq,), generator=gen)
         rows.append({"input_ids": ids, "labels": ids.clone()})
     return rows
+
+
+WORDS = 56  # word tokens "w0".."w55"; ids 0..3 are the special tokens below
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``w0 .. w55`` built in memory (no hub): ids 0-3 are
+    ``<pad> <unk> <s> </s>``, ``wK`` is id ``K + 4``; vocabulary 60, fits ``tiny_llama(vocab=64)``."""
+    specials = ["<pad>", "<unk>", "<s>", "</s>"]
+    vocab = {token: index for index, token in enumerate(specials)}
+    vocab.update({f"w{k}": k + len(specials) for k in range(WORDS)})
+    model = WordLevel(vocab=vocab, unk_token="<unk>")
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = Split(" ", behavior="removed")  # "w1 w2</s>" keeps "</s>" apart below
+    backend.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
+def word_text(gen: torch.Generator, num_words: int) -> str:
+    """``num_words`` random words, space-separated (text the tiny tokenizer reads)."""
+    return " ".join(f"w{int(k)}" for k in torch.randint(0, WORDS, (num_words,), generator=gen))

@@ -3,15 +3,21 @@
 Three tiers:
 1. small expected matrices written from the rules in DeepSpeed's docstrings;
 2. the same rules as per-entry predicates, checked over many sequence lengths;
-3. an oracle: DeepSpeed 0.19.6's own ``sparsity_config.py`` (it only needs torch), when a
-   copy is on disk (``SHARDSPEED_DS_SPARSE_SRC`` = the file, the unpacked source tree or the
-   sdist; default ``/tmp/ds0196``). Skipped otherwise (CI has no DeepSpeed 0.19.6 archive).
+3. an oracle: DeepSpeed 0.19.6's own ``sparsity_config.py`` (it only needs torch). Its
+   layouts are recorded in ``tests/goldens/sparse_layouts/deepspeed_0196.json`` (a sha256
+   prefix per case and length, or ``"ValueError"``), checked on every run; the live variant
+   is generated when a copy is on disk (``SHARDSPEED_DS_SPARSE_SRC`` = the file, the
+   unpacked source tree or the sdist; default ``/tmp/ds0196``, where
+   ``pip download --no-deps --no-binary :all: deepspeed==0.19.6 -d /tmp/ds0196`` puts it),
+   and ``SHARDSPEED_RECORD_GOLDENS=1`` rewrites the golden from it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
+import json
 import os
 import random
 import tarfile
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from goldens import deepspeed_oracle as golden
 
 from shardspeed.config import ConfigError, SparseAttentionConfig
 from shardspeed.ops.sparse_attention import (
@@ -561,16 +568,11 @@ def _deepspeed_sparsity_module():
     return module
 
 
-@pytest.fixture(scope="module")
-def deepspeed_configs():
-    module = _deepspeed_sparsity_module()
-    if module is None:
-        pytest.skip(
-            "DeepSpeed 0.19.6 source not found (set SHARDSPEED_DS_SPARSE_SRC to its "
-            "sparsity_config.py, source tree or sdist; `pip download --no-deps --no-binary :all: "
-            "deepspeed==0.19.6 -d /tmp/ds0196` puts it at the default path)"
-        )
-    return module
+DEEPSPEED_0196 = _deepspeed_sparsity_module()
+# golden: DeepSpeed 0.19.6's layouts, recorded (tests/goldens/sparse_layouts/); live: the source
+SOURCES = ["golden", *(["deepspeed"] if DEEPSPEED_0196 is not None else [])]
+GOLDEN = "deepspeed_0196.json"
+NUM_BLOCKS = (1, 2, 3, 5, 6, 8, 11, 16, 33)
 
 
 ORACLE_CASES = [
@@ -671,22 +673,63 @@ ORACLE_CASES = [
 ]
 
 
+def _case_key(name: str, kwargs: dict) -> str:
+    return f"{name} {json.dumps(kwargs, sort_keys=True)}"
+
+
+def _layout_digest(layout: torch.Tensor) -> str:
+    """The first 16 hex digits of the sha256 of a layout's shape and int64 entries."""
+    t = layout.to(torch.int64).contiguous()
+    return hashlib.sha256(repr(tuple(t.shape)).encode() + t.numpy().tobytes()).hexdigest()[:16]
+
+
+def _digests(module, name: str, kwargs: dict) -> list[str]:
+    """Per length of :data:`NUM_BLOCKS`: the layout's digest or ``"ValueError"``."""
+    out = []
+    for num_blocks in NUM_BLOCKS:
+        random.seed(1234)  # both draw random blocks from the global generator, in the same order
+        try:
+            layout = getattr(module, name)(block=BLOCK, **kwargs).make_layout(num_blocks * BLOCK)
+        except ValueError:
+            out.append("ValueError")
+            continue
+        out.append(_layout_digest(layout))
+    return out
+
+
+def _deepspeed_digests(source: str, name: str, kwargs: dict) -> list[str]:
+    if source == "golden":
+        return golden.load("sparse_layouts", GOLDEN)[_case_key(name, kwargs)]
+    theirs = _digests(DEEPSPEED_0196, name, kwargs)
+    if golden.recording():  # one entry per case, merged into the one file
+        path = golden.golden_path("sparse_layouts", GOLDEN)
+        recorded = json.loads(path.read_text()) if path.exists() else {}
+        recorded[_case_key(name, kwargs)] = theirs
+        golden.save("sparse_layouts", GOLDEN, recorded)
+    return theirs
+
+
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize(
     "name,kwargs", ORACLE_CASES, ids=lambda v: v if isinstance(v, str) else None
 )
-def test_layouts_match_deepspeed_0196(deepspeed_configs, name, kwargs):
+def test_layouts_match_deepspeed_0196(source: str, name: str, kwargs: dict) -> None:
     import shardspeed.ops.sparse_attention as ours
 
-    for num_blocks in (1, 2, 3, 5, 6, 8, 11, 16, 33):
-        random.seed(1234)  # both draw random blocks from the global generator, in the same order
-        try:
-            theirs = getattr(deepspeed_configs, name)(block=BLOCK, **kwargs).make_layout(
-                num_blocks * BLOCK
+    theirs = _deepspeed_digests(source, name, kwargs)
+    mine = _digests(ours, name, kwargs)
+    for num_blocks, mine_, theirs_ in zip(NUM_BLOCKS, mine, theirs, strict=True):
+        if mine_ != theirs_:
+            random.seed(1234)
+            layout = getattr(ours, name)(block=BLOCK, **kwargs).make_layout(num_blocks * BLOCK)
+            pytest.fail(
+                f"{name} {kwargs} at {num_blocks} blocks: DeepSpeed 0.19.6 gives {theirs_}, "
+                f"ours {mine_}:\n{layout}"
             )
-        except ValueError:
-            with pytest.raises(ValueError):
-                getattr(ours, name)(block=BLOCK, **kwargs).make_layout(num_blocks * BLOCK)
-            continue
-        random.seed(1234)
-        mine = getattr(ours, name)(block=BLOCK, **kwargs).make_layout(num_blocks * BLOCK)
-        assert torch.equal(mine, theirs), f"{name} {kwargs} at {num_blocks} blocks"
+
+
+def test_sparse_layout_golden_covers_the_cases() -> None:
+    """The recorded file holds exactly the oracle cases (no stale or missing entries)."""
+    recorded = golden.load("sparse_layouts", GOLDEN)
+    assert sorted(recorded) == sorted(_case_key(n, k) for n, k in ORACLE_CASES)
+    assert all(len(digests) == len(NUM_BLOCKS) for digests in recorded.values())
