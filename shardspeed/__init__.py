@@ -52,6 +52,7 @@ _LAZY_ATTRS = {
     "accelerator": ("shardspeed.accelerator", None),
     "launcher": ("shardspeed.launcher", None),
     "elasticity": ("shardspeed.elasticity", None),
+    "compression": ("shardspeed.compression", None),
     "git_version_info": ("shardspeed.git_version_info", None),
 }
 

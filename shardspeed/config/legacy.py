@@ -82,11 +82,6 @@ UNMODELLED_KEYS: dict[str, UnmodelledKey] = {
         "remove the block",
         reject_when_enabled=True,
     ),
-    "compression_training": UnmodelledKey(
-        "compression training was removed in DeepSpeed 0.19.7 and is not implemented",
-        "remove the block",
-        reject_when_enabled=True,
-    ),
     "nebula": UnmodelledKey(
         "the Azure Nebula checkpoint service is not supported",
         "remove the block; checkpoints are written by ShardSpeed's own sharded format",

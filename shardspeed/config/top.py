@@ -22,6 +22,7 @@ from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain
 from shardspeed.config.batch import BATCH_KEYS, resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
 from shardspeed.config.collective_check import CollectiveCheckConfig
+from shardspeed.config.compression import CompressionConfig
 from shardspeed.config.elasticity import ElasticTrainingConfig
 from shardspeed.config.key_status import check_key_status
 from shardspeed.config.legacy import UNMODELLED_KEYS, split_unknown, split_unmodelled
@@ -197,6 +198,11 @@ class ShardSpeedConfig(ConfigModel):
         default_factory=HybridEngineConfig, description="Train + generate engine (RLHF)."
     )
     moe: MoEConfig = Field(default_factory=MoEConfig, description="MoE training options.")
+    compression_training: CompressionConfig = Field(
+        default_factory=CompressionConfig,
+        description="Compression during training (shardspeed.compression: init_compression "
+        "wraps the layers, the engine steps the compression scheduler).",
+    )
     sequence_parallel_size: Int | None = Field(
         None, ge=1, description="Ulysses sequence-parallel degree."
     )

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
+from shardspeed.compression.engine_hook import build_compression_hook
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.precision.policy import MixedPrecision
@@ -134,6 +135,10 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             self.hybrid = HybridGeneration(model, self.sharding, pin_parameters=pin)
         # ZeRO-3: DeepSpeed's optimizer.parameter_offload hook handles (TRL's generation path)
         attach_parameter_offload(self)
+        # compression_training: the scheduler and bit schedule, stepped with the engine
+        self.compression = build_compression_hook(
+            model, config.compression_training, zero_stage=self.stage
+        )
         log_dist(
             f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
             f"{self.sharding.describe()}, param dtype {self.precision.param_dtype}, "
@@ -378,6 +383,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     # -- forward / backward / step -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.reporter.before_forward()
+        if self.compression is not None:
+            self.compression.before_forward(self.global_steps)
         out = self.module(*args, **kwargs)
         self.reporter.after_forward()
         return out
@@ -439,6 +446,8 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self.reporter.start("step")
         with comm.set_current_tag("optimizer.step"):  # labels the norm / all-gather collectives
             self._last_step = self.optimizer.step()
+        if self.compression is not None:
+            self.compression.after_optimizer_step(self._last_step.applied)
         if self._last_step.applied:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)

@@ -215,10 +215,8 @@ def test_removed_blocks_are_rejected_when_enabled():
     )
     assert paths(err) == ["amp", "progressive_layer_drop"]
     assert "Apex AMP is not supported" in str(err) and '"bf16": {"enabled": true}' in str(err)
-    err = error_for(
-        {"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": True}}}}
-    )
-    assert paths(err) == ["compression_training"]
+    err = error_for({"quantize_training": {"enabled": True}})
+    assert paths(err) == ["quantize_training"]
 
 
 def test_alias_conflict():

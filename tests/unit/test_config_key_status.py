@@ -155,6 +155,7 @@ EXPECTED_REFUSED = {
     "tensor_parallel.tp.tp_size",
     "hybrid_engine.inference_tp_size",
     "comet.enabled",
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel",
     *(key for key, entry in UNMODELLED_KEYS.items() if entry.reject_when_enabled),
 }
 
@@ -177,7 +178,7 @@ def test_aliases_and_legacy_names_resolve_to_registered_keys():
 
 def test_status_counts_and_refused_set_are_pinned():
     counts = {s: len(keys_with_status(s)) for s in KeyStatus}
-    assert counts == {KeyStatus.USED: 114, KeyStatus.REFUSED: 30, KeyStatus.IGNORED_KNOB: 88}
+    assert counts == {KeyStatus.USED: 151, KeyStatus.REFUSED: 30, KeyStatus.IGNORED_KNOB: 89}
     assert set(keys_with_status(KeyStatus.REFUSED)) == EXPECTED_REFUSED
     for path, rule in KEY_STATUS.items():
         assert rule.reason, path
@@ -237,6 +238,7 @@ REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "tensor_parallel.tp.tp_size": (2, {}),
     "hybrid_engine.inference_tp_size": (2, {}),
     "comet.enabled": (True, {}),
+    "compression_training.weight_quantization.shared_parameters.quantizer_kernel": (True, {}),
     **{
         key: ({"enabled": True}, {})
         for key, entry in UNMODELLED_KEYS.items()

@@ -1,0 +1,71 @@
+"""What the training engine calls so compression follows the steps: one object, two calls.
+
+DeepSpeed's engine builds a ``compression_scheduler`` (and, for in-place weight
+quantization, a MoQ quantizer) and drives them from its forward and step. This hook does the
+same, in the same order, for ShardSpeed's engine::
+
+    hook = build_compression_hook(module, ds_config, zero_stage)   # None: no compression
+    hook.before_forward(global_steps)       # each forward; acts only before the first step
+    hook.after_optimizer_step(applied)      # after each optimizer step (skipped: no-op)
+
+* ``before_forward`` at step 0: the step-0 check (techniques with ``schedule_offset`` 0
+  switch on) and, if weight quantization is on, one quantization step;
+* ``after_optimizer_step`` when the step was applied: a quantization step (weights quantized
+  in place at the current bits) if weight quantization is on, then ``scheduler.step()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from shardspeed.compression.bit_schedule import WeightBitSchedule
+from shardspeed.compression.scheduler import CompressionScheduler
+from shardspeed.config.compression import CompressionConfig, get_compression_config
+
+
+class CompressionTrainingHook:
+    """The compression scheduler and weight bit schedule, stepped as the engine steps."""
+
+    def __init__(self, model: nn.Module, config: CompressionConfig) -> None:
+        self.scheduler = CompressionScheduler(model, config)
+        wq = config.weight_quantization.shared_parameters
+        self.bit_schedule = WeightBitSchedule(model, wq) if wq.enabled else None
+
+    def before_forward(self, global_steps: int) -> None:
+        """Call at the start of every forward; only forwards before the first step act."""
+        if global_steps == 0:
+            self.scheduler.step(step_zero_check=True)
+            self._quantization_step()
+
+    def after_optimizer_step(self, applied: bool) -> None:
+        """Call after each optimizer step; ``applied=False`` (overflow, skipped) does nothing."""
+        if not applied:
+            return
+        self._quantization_step()
+        self.scheduler.step()
+
+    def _quantization_step(self) -> None:
+        if self.bit_schedule is not None and self.scheduler.weight_quantization_enabled:
+            self.bit_schedule.step()
+
+
+def build_compression_hook(
+    module: nn.Module, ds_config: Any, zero_stage: int = 0
+) -> CompressionTrainingHook | None:
+    """The hook for an engine, or None when the ds_config enables no compression technique.
+
+    Raises:
+        ValueError: compression with ZeRO stage 3 (partitioned parameters are not folded).
+    """
+    config = get_compression_config(ds_config)
+    if not config.enabled_techniques():
+        return None
+    if zero_stage >= 3:
+        raise ValueError(
+            f"zero_optimization.stage={zero_stage} with compression_training: masks and "
+            "in-place quantization need whole parameters on every rank; allowed: stage 0, 1 "
+            "or 2. Fix: train the compression run with ZeRO stage 2 or lower."
+        )
+    return CompressionTrainingHook(module, config)
