@@ -294,7 +294,7 @@ def write_deepspeed_files(
     return written
 
 
-LAYOUTS = ("native", "deepspeed")
+LAYOUTS = ("auto", "native", "deepspeed")
 
 
 def _refuse(what: str, value: Any, fix: str) -> ValueError:
@@ -311,7 +311,7 @@ def layout_spec(engine: Any) -> DeepSpeedLayoutSpec:
     from shardspeed.checkpoint.expert_placement import ExpertNames
     from shardspeed.checkpoint.shards import param_names
 
-    native = 'save with "checkpoint": {"layout": "native"} (the default), which holds it'
+    native = 'save with "checkpoint": {"layout": "native"}, which holds it'
     stage = int(engine.stage)
     if stage not in (1, 2, 3):
         raise _refuse(

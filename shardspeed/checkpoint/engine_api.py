@@ -44,7 +44,7 @@ from shardspeed.checkpoint.integrity import verify_tag_distributed
 from shardspeed.checkpoint.recovery_script import wants_recovery_script, write_recovery_script
 from shardspeed.checkpoint.shards import SliceReader, load_fragments
 from shardspeed.checkpoint.state import restore_engine_state, restore_rng_state
-from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.utils.logging import get_logger, log_dist, warning_once
 
 logger = get_logger(__name__)
 
@@ -108,16 +108,40 @@ def _async_default(engine: Any) -> bool:
 
 
 def _deepspeed_layout(engine: Any, layout: str | None) -> DeepSpeedLayoutSpec | None:
-    """The DeepSpeed layout to write next to the native files, or None (native only)."""
+    """The DeepSpeed layout to write next to the native files, or None (native only).
+
+    ``"auto"`` (the default) writes it when the job runs through the compatibility
+    distribution (the process imported ``deepspeed`` and it is ShardSpeed): such a job's tools,
+    PyTorch Lightning's fp32 conversion or DeepSpeed's own scripts, read DeepSpeed's files.
+    Where that layout cannot hold the engine's state (stage 0, fp16, model parallelism,
+    experts) "auto" writes the native files alone and says so once.
+    """
     if layout is None:
         cfg = getattr(getattr(engine, "_config", None), "checkpoint", None)
-        layout = getattr(cfg, "layout", "native") if cfg is not None else "native"
+        layout = getattr(cfg, "layout", "auto") if cfg is not None else "auto"
     if layout not in LAYOUTS:
         raise ValueError(
             f"save_checkpoint(layout={layout!r}): allowed {list(LAYOUTS)}. Fix: pass 'native' "
-            "(ShardSpeed's files only) or 'deepspeed' (DeepSpeed's files as well)."
+            "(ShardSpeed's files only), 'deepspeed' (DeepSpeed's files as well) or 'auto'."
         )
+    if layout == "auto":
+        if not running_as_deepspeed():
+            return None
+        try:
+            return layout_spec(engine)
+        except ValueError as err:
+            warning_once(f"checkpoints are written in ShardSpeed's layout only: {err}")
+            return None
     return layout_spec(engine) if layout == "deepspeed" else None
+
+
+def running_as_deepspeed() -> bool:
+    """True when ``import deepspeed`` in this process gave ShardSpeed's compatibility
+    distribution (it carries ``shardspeed_version``; a real DeepSpeed does not)."""
+    import sys
+
+    module = sys.modules.get("deepspeed")
+    return module is not None and hasattr(module, "shardspeed_version")
 
 
 def save_checkpoint(
@@ -142,7 +166,7 @@ def save_checkpoint(
     is waited for first, and if it failed its :class:`CheckpointError` is raised here
     (nothing new is saved).
 
-    ``layout`` (default: the config's ``checkpoint.layout``, ``"native"``): ``"deepspeed"``
+    ``layout`` (default: the config's ``checkpoint.layout``, ``"auto"``): ``"deepspeed"``
     also writes DeepSpeed 0.19's ``.pt`` files into the tag, so DeepSpeed's
     ``load_checkpoint``, ``zero_to_fp32`` and PyTorch Lightning read it (ZeRO 1-3, fp32/bf16,
     data parallelism only; see ``docs/checkpoints.md``).

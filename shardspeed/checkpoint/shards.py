@@ -260,7 +260,10 @@ class SliceReader:
             except Exception as err:  # SafetensorError, OSError: name the file, no traceback
                 raise unreadable_file(path, err) from None
             self._handles[file] = handle
-        return handle.get_slice(key)[lo:hi]
+        stored = handle.get_slice(key)
+        if not stored.get_shape():  # a 0-dim tensor (e.g. a scalar in client_state): whole
+            return handle.get_tensor(key)
+        return stored[lo:hi]
 
     def fill(self, dest: torch.Tensor, pieces: list[list[Any]], start: int, what: str) -> None:
         """Fill flat ``dest`` with elements [start, start + dest.numel()) of the stored tensor."""

@@ -43,12 +43,14 @@ class CheckpointConfig(ConfigModel):
         "ds_to_universal; tag from 'latest_universal') instead of a ZeRO checkpoint, at any "
         "world size and ZeRO stage.",
     )
-    layout: Literal["native", "deepspeed"] = Field(
-        "native",
+    layout: Literal["auto", "native", "deepspeed"] = Field(
+        "auto",
         description="ShardSpeed: 'deepspeed' makes save_checkpoint also write DeepSpeed "
         "0.19's files (mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt) into each "
         "tag, readable by DeepSpeed's load_checkpoint, zero_to_fp32 and PyTorch Lightning "
-        "(ZeRO 1-3, fp32/bf16, data parallelism only). 'native': ShardSpeed's files only.",
+        "(ZeRO 1-3, fp32/bf16, data parallelism only). 'native': ShardSpeed's files only. "
+        "'auto' (default): 'deepspeed' where that layout holds the engine's state and the job "
+        "runs through the compatibility distribution (import deepspeed), else 'native'.",
     )
     use_node_local_storage: bool = Field(
         False, description="Each node writes to local storage (not a shared filesystem)."
