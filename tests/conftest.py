@@ -45,3 +45,19 @@ def _shutdown_distributed_pools():
     from shardspeed.testing import shutdown_pools
 
     shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind(request: pytest.FixtureRequest):
+    """A test that joins a process group in the pytest process must leave it: one left behind
+    turns every later test that expects a single, uninitialised process into a failure far
+    from its cause (run such code through ``shardspeed.testing.run_distributed``)."""
+    yield
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(
+            f"{request.node.nodeid} left torch.distributed initialised in the pytest process"
+        )

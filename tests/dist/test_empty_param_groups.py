@@ -171,15 +171,24 @@ def test_empty_and_frozen_only_groups_train_and_checkpoint(stage: int, tmp_path:
         assert out["loaded_lrs"] == out["lrs"]
 
 
-def test_no_trainable_parameter_is_a_clear_error() -> None:
+def _initialize_frozen_model() -> str:
     import shardspeed
 
     model = make_model(ParitySpec())
     for p in model.parameters():
         p.requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameter"):
+    try:
         shardspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
             config={"train_batch_size": 1, "optimizer": {"type": "AdamW"}},
         )
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_no_trainable_parameter_is_a_clear_error() -> None:
+    # in a worker: initialize() joins a process group, which must not outlive the test
+    message = run_distributed(_initialize_frozen_model, 1)[0]
+    assert "no trainable parameter" in message and "requires_grad=False" in message
