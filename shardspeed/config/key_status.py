@@ -388,7 +388,12 @@ KEY_STATUS: dict[str, KeyRule] = {
         "activation_checkpointing.contiguous_memory_optimization",
         "activation_checkpointing.number_checkpoints",
     ),
-    **_used("the pipeline engine", "pipeline.stages"),
+    **_used(
+        "the pipeline engine",
+        "pipeline.stages",
+        "pipeline.schedule",
+        "pipeline.reshard_after_forward",
+    ),
     **_ignored(
         _PIPE_MODULE,
         "pipeline.partition",

@@ -43,3 +43,18 @@ class PipelineConfig(ConfigModel):
     use_reentrant: bool = Field(
         True, description="Use reentrant activation checkpointing inside pipeline stages."
     )
+    schedule: str | None = Field(
+        None,
+        description=(
+            "Pipeline schedule by name (overrides PipelineModule(schedule=...) when that is "
+            "left at its default); the layer placement it needs must match the module's."
+        ),
+    )
+    reshard_after_forward: bool = Field(
+        False,
+        description=(
+            "ZeRO-3 under pipeline parallelism: release a unit's gathered parameters after "
+            "each forward/backward pass (True) instead of keeping the stage gathered for the "
+            "whole batch (False: one all-gather per unit per batch)."
+        ),
+    )

@@ -378,6 +378,11 @@ class FetchCoordinator:
         self.order: list[int] = []
         self.prefetch_ok = True
         self.paused = False  # the hybrid engine gathered everything: hooks stand aside
+        # FSDP2's reshard_after_forward for a pipeline stage, whose gradients are reduced
+        # only at the end of the batch: release a unit after its forward (never kept for
+        # backward) and after its backward, once every parameter's gradient accumulated
+        self.reshard_after_forward = False
+        self._grads_in: dict[int, set[int]] = {}
         self._handles: list[object] = []
 
     def install(self) -> None:
@@ -389,6 +394,11 @@ class FetchCoordinator:
                 continue
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post(unit)))
+            for flat in unit.flats:
+                for p in flat.params:
+                    if p.requires_grad:
+                        hook = self._make_grad_in(unit)
+                        self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -437,6 +447,20 @@ class FetchCoordinator:
             if not f.persistent and f.status is not ZeroParamStatus.NOT_AVAILABLE
         )
 
+    def _make_grad_in(self, unit: Unit):  # noqa: ANN202 - hook closure
+        trainable = sum(p.requires_grad for f in unit.flats for p in f.params)
+
+        def hook(param: nn.Parameter) -> None:
+            if not self.reshard_after_forward or self.paused:
+                return
+            seen = self._grads_in.setdefault(unit.id, set())
+            seen.add(id(param))
+            if len(seen) == trainable:  # the unit's backward is over for this micro-batch
+                self._grads_in.pop(unit.id)
+                self.release(unit)
+
+        return hook
+
     def keep_for_backward(self, unit: Unit) -> bool:
         """Keep ``unit`` gathered from its forward to its backward instead of re-gathering?
 
@@ -450,7 +474,13 @@ class FetchCoordinator:
         """
         pos = len(self.order) - 1
         prev = self.prev_order
-        if not self.prefetch_ok or pos < 0 or pos >= len(prev) or prev[pos] != unit.id:
+        if (
+            self.reshard_after_forward
+            or not self.prefetch_ok
+            or pos < 0
+            or pos >= len(prev)
+            or prev[pos] != unit.id
+        ):
             return False
         later = prev[pos + 1 :]
         if sum(self.units[u].numel for u in set(later) if u != unit.id) > self.max_reuse_distance:
@@ -506,6 +536,7 @@ class FetchCoordinator:
         return hook
 
     def _pre_backward(self, unit: Unit, before: Unit | None) -> None:
+        self._grads_in.pop(unit.id, None)  # count this backward's gradients afresh
         self.fetch(unit, "gather for backward")
         if before is not None and not before.is_root:
             self.prefetch(before)

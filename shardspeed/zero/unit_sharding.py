@@ -28,14 +28,26 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential)
 PERSISTENT_CODE = 1_000_000  # order-check codes of persistent-flat gathers: -(CODE + i)
 
 
+def _is_unit_container(module: nn.Module) -> bool:
+    """ModuleList/Sequential, or a module that declares its children to be its layers
+    (``zero3_unit_container = True``: a pipeline stage, whose layers are attributes)."""
+    return isinstance(module, _CONTAINERS) or getattr(module, "zero3_unit_container", False)
+
+
 def split_units(model: nn.Module) -> list[Unit]:
-    """Root unit first, then every parameter-owning child of a ModuleList/Sequential."""
+    """Root unit first, then every parameter-owning child of a unit container (a
+    ModuleList/Sequential or a module with ``zero3_unit_container``). A ModuleDict child
+    is never a unit: it has no forward, its modules are called by others."""
     units = [Unit(0, "", model, is_root=True)]
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             full = f"{prefix}.{name}" if prefix else name
-            if isinstance(module, _CONTAINERS) and any(True for _ in child.parameters()):
+            if (
+                _is_unit_container(module)
+                and not isinstance(child, nn.ModuleDict)
+                and any(True for _ in child.parameters())
+            ):
                 units.append(Unit(len(units), full, child, is_root=False))
             else:
                 visit(full, child)

@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.topology import Topology
-from shardspeed.zero.flat_buffer import FlatGroup
 
 
 class TiedWeights:
@@ -55,8 +54,13 @@ class TiedWeights:
                 comm.broadcast(param.data, src=self.src[key], group=group)
 
     @torch.no_grad()
-    def reduce_grads(self, flat_groups: list[FlatGroup]) -> None:
-        """Sum the tied weights' accumulated gradients over their tie groups."""
+    def reduce_grads(self, flat_groups: list[Any]) -> None:
+        """Sum the tied weights' accumulated gradients over their tie groups.
+
+        Stages 0/1 accumulate into the flat gradient buffer (``grad_view``); stages 2/3
+        under a pipeline leave the window's gradient in ``param.grad`` until the one
+        reduction of the batch, so that is what is summed.
+        """
         if not self.groups:
             return
         where = {id(p): (g, i) for g in flat_groups for i, p in enumerate(g.params)}
@@ -65,4 +69,21 @@ class TiedWeights:
                 if id(param) not in where:  # frozen
                     continue
                 flat, index = where[id(param)]
-                comm.all_reduce(flat.grad_view(index), group=group)
+                if getattr(flat, "flat_grad", None) is not None:
+                    comm.all_reduce(flat.grad_view(index), group=group)
+                else:
+                    comm.all_reduce(_accumulated_grad(param), group=group)
+
+
+def _accumulated_grad(param: nn.Parameter) -> torch.Tensor:
+    """``param.grad``, created as zeros when this copy got no gradient in the window (a
+    ZeRO-3 parameter is gathered for that, since a gradient must match its shape)."""
+    if param.grad is None:
+        if param.numel() == 0 and hasattr(param, "ds_shape"):
+            from shardspeed.zero.init import GatheredParameters
+
+            with GatheredParameters([param]):
+                param.grad = torch.zeros_like(param)
+        else:
+            param.grad = torch.zeros_like(param)
+    return param.grad

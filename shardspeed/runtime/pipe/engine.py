@@ -1,19 +1,27 @@
 """``PipelineEngine``: DeepSpeed's pipeline engine on top of the sharding engine.
 
 The engine is a :class:`ShardSpeedEngine` over *this stage's* layers with the topology's
-data-parallel group, so ZeRO-1 sharding, mixed precision, loss scaling, clipping and the
-LR schedule are the sharding engine's own code. What it adds:
+data-parallel group, so ZeRO sharding (stages 0-3), mixed precision, loss scaling,
+clipping and the LR schedule are the sharding engine's own code. What it adds:
 
-* ``train_batch`` runs the schedule's instructions (:mod:`shardspeed.parallel.pipeline.schedule`) through an
-  :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps`` micro-batches,
-  gradient reduction switched off (``set_gradient_reduction(False)``) until the end;
+* ``train_batch`` runs the schedule's instructions (:mod:`shardspeed.parallel.pipeline.schedule`)
+  through an :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps``
+  micro-batches with gradient reduction switched off (``set_gradient_reduction(False)``),
+  so every stage accumulates its gradients in ``param.grad`` (or the flat gradient buffer
+  at stages 0/1) and issues no collective per micro-batch;
 * at the end of the batch: ``ReduceTiedGrads`` (sum tied weights over their tie
-  group), ``ReduceGrads`` (one data-parallel reduction for the whole batch), and
+  group), ``ReduceGrads`` (one data-parallel reduction for the whole batch: an
+  all-reduce at stages 0/1, a reduce-scatter into the gradient shards at stages 2/3), and
   ``OptimizerStep`` (the engine's step; its gradient norm was built to span the pipe
   group and to count tied copies once);
+* at ZeRO-3 the stage's layers are its units; they stay gathered for the whole batch or
+  are resharded after each pass (``pipeline.reshard_after_forward``,
+  :mod:`~.zero_residency`);
 * the batch loss is averaged on the last stage and broadcast to every stage.
-"""
 
+DeepSpeed refuses ZeRO-2/3 with pipeline parallelism; here they need nothing beyond
+the reduction being deferred to the end of the batch, which every stage already does.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -31,8 +39,9 @@ from shardspeed.parallel.pipeline.tied import TiedWeights
 from shardspeed.runtime.engine import ShardSpeedEngine
 from shardspeed.runtime.pipe.executor import ScheduleExecutor
 from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.pipe.zero_residency import batch_residency, residency_cost
 from shardspeed.topology import Topology
-from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.utils.logging import get_logger, log_dist, warning_once
 
 logger = get_logger(__name__)
 
@@ -46,6 +55,23 @@ def _ensure_groups(topology: Topology) -> None:
         topology.group("pipe")
     except RuntimeError:
         topology.create_groups()
+
+
+def resolve_schedule(model: PipelineModule, config: ShardSpeedConfig) -> str:
+    """The schedule to run: ``pipeline.schedule`` from the config when given, else the
+    module's. The module placed its layers for its own schedule (one chunk per stage, or
+    ``virtual_stages`` chunks), so the config may only pick a schedule of that placement."""
+    chosen = config.pipeline.schedule
+    if chosen is None or chosen == model.schedule:
+        return model.schedule
+    placement = getattr(model, "placement", None)
+    if model.schedule != "1f1b" or model.virtual_stages != 1 or placement not in (None, "linear"):
+        raise ValueError(
+            f"pipeline.schedule={chosen!r} in the config disagrees with PipelineModule("
+            f"schedule={model.schedule!r}, virtual_stages={model.virtual_stages}); set one of "
+            "them (the module's argument decides where its layers go)."
+        )
+    return chosen
 
 
 class PipelineEngine(ShardSpeedEngine):
@@ -67,17 +93,11 @@ class PipelineEngine(ShardSpeedEngine):
                 "topology defines the groups. Pass topology=PipeModelDataParallelTopology(...) "
                 "to PipelineModule instead of an mpu."
             )
-        stage = config.zero_optimization.stage
-        if stage > 1:
-            raise ValueError(
-                f"zero_optimization.stage={stage} is not supported with pipeline parallelism "
-                "(gradients are accumulated over the micro-batches of a batch); use stage 0 "
-                "or 1."
-            )
         topology = model.shard_topology
         _ensure_groups(topology)
+        schedule_kind = resolve_schedule(model, config)
         check_schedule_args(
-            model.schedule, config.gradient_accumulation_steps, topology.pp, model.virtual_stages
+            schedule_kind, config.gradient_accumulation_steps, topology.pp, model.virtual_stages
         )
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
@@ -85,6 +105,9 @@ class PipelineEngine(ShardSpeedEngine):
                 f"{model.stage_layer_indices()}); choose a partition_method that gives every "
                 "stage a layer with parameters."
             )
+        # ZeRO-3 gathers and releases each of the stage's layers as a unit (its layers are
+        # attributes of the module, as a ModuleList's elements would be)
+        model.zero3_unit_container = True
         # Tied copies must agree before the engine copies them into flat buffers/masters.
         model.to(get_accelerator().device(comm.get_local_rank()))
         ties = TiedWeights(model.tied_parameters(), model.tie_owners(), topology)
@@ -104,7 +127,12 @@ class PipelineEngine(ShardSpeedEngine):
         self.num_stages = topology.pp
         self.pipe_group = topology.group("pipe")
         self.micro_batches = config.gradient_accumulation_steps
-        self.schedule_kind = model.schedule
+        self.schedule_kind = schedule_kind
+        # ZeRO-3: the stage's units gathered once per batch, or per pass (zero_residency.py)
+        self.keep_gathered = self.stage == 3 and not config.pipeline.reshard_after_forward
+        self.residency = residency_cost(self.sharding) if self.stage == 3 else None
+        if self.stage == 3:
+            self.sharding.coordinator.reshard_after_forward = config.pipeline.reshard_after_forward
         self.virtual_stages = model.virtual_stages
         self.set_gradient_reduction(False)  # reduce once per batch, in ReduceGrads
         self.link = StageLink(
@@ -125,8 +153,17 @@ class PipelineEngine(ShardSpeedEngine):
         log_dist(
             f"PipelineEngine: {self.num_stages} stages x dp {self.dp_world_size}, schedule "
             f"{self.schedule_kind} (virtual stages {self.virtual_stages}), "
-            f"{self.micro_batches} micro-batches per batch"
+            f"{self.micro_batches} micro-batches per batch, ZeRO stage {self.stage} "
+            "(gradients reduced once per batch)"
         )
+        if self.residency is not None:
+            log_dist(self.residency.describe(config.pipeline.reshard_after_forward))
+        elif "reshard_after_forward" in (config.raw.get("pipeline") or {}):
+            warning_once(
+                f"pipeline.reshard_after_forward has no effect at zero_optimization.stage="
+                f"{self.stage}: only ZeRO-3 gathers parameters around use (stages 0-2 keep "
+                "them whole)."
+            )
 
     # -- DeepSpeed's pipeline surface ----------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -164,16 +201,17 @@ class PipelineEngine(ShardSpeedEngine):
             self.virtual_stages,
         )
         try:
-            self.executor.run(
-                schedule,
-                self.data_iterator,
-                batch_fn=self.batch_fn,
-                handlers={
-                    ReduceTiedGrads: self._reduce_tied_grads,
-                    ReduceGrads: self._reduce_grads,
-                    OptimizerStep: self._optimizer_step,
-                },
-            )
+            with batch_residency(self.sharding, self.keep_gathered):
+                self.executor.run(
+                    schedule,
+                    self.data_iterator,
+                    batch_fn=self.batch_fn,
+                    handlers={
+                        ReduceTiedGrads: self._reduce_tied_grads,
+                        ReduceGrads: self._reduce_grads,
+                        OptimizerStep: self._optimizer_step,
+                    },
+                )
         finally:  # micro-batches of the next batch accumulate without reducing again
             self.set_gradient_reduction(False)
             self._boundary_override = None
