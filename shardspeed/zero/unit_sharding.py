@@ -4,7 +4,7 @@ The model is split into *units* (each element of an ``nn.ModuleList``/``nn.Seque
 plus a root unit for the rest and for parameters shared between units). Each (unit,
 param group) becomes one :class:`~shardspeed.zero.params.ShardedFlat`: a single padded
 bucket of which this rank keeps slice ``dp_rank``. The
-:class:`~shardspeed.zero.params.FetchCoordinator` gathers a unit before its forward and
+:class:`~shardspeed.zero.fetch.FetchCoordinator` gathers a unit before its forward and
 backward (prefetching the next unit of the recorded order) and releases it after; the
 reducer releases a unit once all its gradients are reduced. Parameters below
 ``stage3_param_persistence_threshold`` stay gathered in a *persistent* flat.
@@ -19,8 +19,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.zero.fetch import FetchCoordinator, Unit
 from shardspeed.zero.init_partition import full_numel, materialize_init_params
-from shardspeed.zero.params import FetchCoordinator, OrderCheck, ShardedFlat, Unit
+from shardspeed.zero.order_check import OrderCheck
+from shardspeed.zero.params import ShardedFlat
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 from shardspeed.zero.sharding import ShardingContext
 

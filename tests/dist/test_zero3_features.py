@@ -116,7 +116,7 @@ def test_reuse_and_consistent_skip_match_plain_training() -> None:
 
 def _diverging_branch(layer: int) -> str:
     from shardspeed import comm
-    from shardspeed.zero.params import ZeroOrderError
+    from shardspeed.zero.order_check import ZeroOrderError
 
     rank = comm.get_rank()
     try:
