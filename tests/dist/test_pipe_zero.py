@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -187,3 +188,109 @@ def test_pipeline_zero3_checkpoint_loads_at_pp1_zero2(tmp_path: Path) -> None:
         assert set(params) == set(ref_params)
         for name, value in params.items():
             assert_close_rel(value, ref_params[name], rtol=1e-5, atol=1e-7, msg=f"{rank} {name}")
+
+
+# ---------------------------------------------------------------------------- pp x dp x tp
+TP_WIDTH, TP_LAYERS, TP_STEPS, TP_M = 8, 4, 3, 4
+
+
+class TPBlock(nn.Module):
+    """Residual MLP, column- then row-parallel over the tensor axis: (B, T, W) -> (B, T, W)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        from shardspeed.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+        self.up = ColumnParallelLinear(TP_WIDTH, 2 * TP_WIDTH, group=group)
+        self.down = RowParallelLinear(2 * TP_WIDTH, TP_WIDTH, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class FullBlock(nn.Module):
+    """The same block unsharded (same init: the TP layers slice a full nn.Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(TP_WIDTH, 2 * TP_WIDTH)
+        self.down = nn.Linear(2 * TP_WIDTH, TP_WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _tp_batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1009 + index)
+    return torch.randn(2, 4, TP_WIDTH, generator=g), torch.randn(2, 4, TP_WIDTH, generator=g)
+
+
+TP_OPT = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}  # see test_tp_engine.py
+
+
+def _tp_pipeline(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import shardspeed
+    from shardspeed.pipe import LayerSpec, PipelineModule
+    from shardspeed.topology import Topology
+
+    topology = Topology.build(pp=2, tp=2, dp=dp)
+    group = topology.group("tensor")
+    net = PipelineModule(
+        [LayerSpec(TPBlock, group) for _ in range(TP_LAYERS)],
+        topology=topology,
+        loss_fn=F.mse_loss,
+        seed_layers=True,
+        partition_method="uniform",
+    )
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": TP_M,
+        "gradient_clipping": 0.05,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": TP_OPT,
+    }
+    engine, _, _, _ = shardspeed.initialize(model=net, config=config)
+    d = engine.dp_rank
+    data = iter([_tp_batch(s, k * dp + d) for s in range(TP_STEPS) for k in range(TP_M)])
+    losses = [float(engine.train_batch(data)) for _ in range(TP_STEPS)]
+    state = {k: v.float().clone() for k, v in engine.state_dict().items()}
+    engine.destroy()
+    return losses, state
+
+
+def _tp_reference(dp: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    layers = []
+    for i in range(TP_LAYERS):
+        torch.manual_seed(1234 + i)
+        layers.append(FullBlock())
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    n = dp * TP_M
+    losses = []
+    for step in range(TP_STEPS):
+        total = 0.0
+        for j in range(n):
+            x, y = _tp_batch(step, j)
+            loss = F.mse_loss(model(x), y)
+            (loss / n).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / n)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_pipeline_zero3_with_tensor_parallel() -> None:
+    """pp 2 x dp 2 x tp 2 (8 ranks) at ZeRO-3: every tensor rank's shards are sharded again
+    over the data axis, unit by unit, and the losses and full weights equal one process."""
+    per_rank = run_distributed(_tp_pipeline, 8, 2, timeout=900)
+    ref_losses, ref_state = _tp_reference(2)
+    seen: set[str] = set()
+    for rank, (losses, state) in enumerate(per_rank):
+        assert_close_rel(losses, ref_losses, rtol=1e-5, msg=f"rank {rank} losses")
+        for name, value in state.items():
+            assert_close_rel(value, ref_state[name], rtol=1e-5, atol=1e-6, msg=f"{rank} {name}")
+            seen.add(name)
+    assert seen == set(ref_state), set(ref_state) - seen
