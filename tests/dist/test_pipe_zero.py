@@ -46,6 +46,36 @@ def test_pipeline_parity_zero2_zero3() -> None:
     check_parity(specs, run_distributed(_run_all, 4, specs, timeout=600))
 
 
+def test_pipeline_parity_zero_bubble_zero2_zero3() -> None:
+    """ZB-H1, ZBV and DualPipeV (weight gradients deferred to W passes) at ZeRO 2 and 3:
+    the deferred gradients land in ``param.grad`` before the batch's one reduction; at
+    ZeRO-3 the stage stays gathered until the last W."""
+    specs = [
+        PipeSpec(pp=2, dp=2, m=m, zero=zero, schedule=kind, virtual=1 if kind == "zb-h1" else 2)
+        for zero in (2, 3)
+        for kind in ("zb-h1", "zbv", "dualpipev")
+        for m in (4, 8)
+    ]
+    specs += [
+        PipeSpec(pp=2, dp=2, m=4, zero=z, schedule="zbv", virtual=2, tied=True) for z in (2, 3)
+    ]
+    check_parity(specs, run_distributed(_run_all, 4, specs, timeout=600))
+
+
+def _reshard_zero_bubble() -> str:
+    spec = PipeSpec(pp=2, m=4, zero=3, schedule="zb-h1", extra=RESHARD)
+    try:
+        _run_all([spec])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_zero_bubble_refuses_zero3_resharded_per_pass() -> None:
+    message = run_distributed(_reshard_zero_bubble, 2)[0]
+    assert "pipeline.reshard_after_forward" in message and "zb-h1" in message, message
+
+
 # ---------------------------------------------------------------------------- what it costs
 WIDE, WIDE_LAYERS = 64, 8
 

@@ -22,6 +22,7 @@ clipping and the LR schedule are the sharding engine's own code. What it adds:
 DeepSpeed refuses ZeRO-2/3 with pipeline parallelism; here they need nothing beyond
 the reduction being deferred to the end of the batch, which every stage already does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from shardspeed.accelerator import get_accelerator
 from shardspeed.config import ShardSpeedConfig, load_config
 from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads, ReduceTiedGrads
 from shardspeed.parallel.pipeline.p2p import StageLink
-from shardspeed.parallel.pipeline.schedule import build_schedule, check_schedule_args
+from shardspeed.parallel.pipeline.schedule import ZERO_BUBBLE, build_schedule, check_schedule_args
 from shardspeed.parallel.pipeline.tied import TiedWeights
 from shardspeed.runtime.engine import ShardSpeedEngine
 from shardspeed.runtime.pipe.executor import ScheduleExecutor
@@ -99,6 +100,17 @@ class PipelineEngine(ShardSpeedEngine):
         check_schedule_args(
             schedule_kind, config.gradient_accumulation_steps, topology.pp, model.virtual_stages
         )
+        if (
+            schedule_kind in ZERO_BUBBLE
+            and config.zero_optimization.stage == 3
+            and config.pipeline.reshard_after_forward
+        ):
+            raise ValueError(
+                f"schedule={schedule_kind!r} runs the weight-gradient (W) passes after the "
+                "backward passes, when pipeline.reshard_after_forward=true has already "
+                "released the stage's ZeRO-3 parameters; set pipeline.reshard_after_forward "
+                "to false (the stage stays gathered for the batch) or use schedule='1f1b'."
+            )
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"pipeline stage {topology.stage_id} holds no trainable parameters (layers "
@@ -147,6 +159,7 @@ class PipelineEngine(ShardSpeedEngine):
             input_dtype=self.precision.param_dtype,
             scale_loss=self.scale,
         )
+        self.executor.params_resident = self.keep_gathered
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None

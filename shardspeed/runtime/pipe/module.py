@@ -14,9 +14,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.parallel.pipeline.instructions import Placement, locate_vstage, vstage_of
 from shardspeed.parallel.pipeline.layers import LayerSpec, TiedLayerSpec, resolve_attr
 from shardspeed.parallel.pipeline.partition import partition_layers
-from shardspeed.parallel.pipeline.schedule import SCHEDULES
+from shardspeed.parallel.pipeline.schedule import SCHEDULES, V_SHAPED, placement_of
 from shardspeed.parallel.pipeline.topology import PipeDataParallelTopology, ProcessTopology
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist
@@ -52,11 +53,14 @@ class PipelineModule(nn.Module):
         dynamic_shape: re-negotiate activation shapes on every micro-batch.
 
     ShardSpeed additions (keyword-only; DeepSpeed has no equivalent):
-        schedule: ``"1f1b"`` (default, DeepSpeed's TrainSchedule), ``"gpipe"`` or
-            ``"interleaved"``.
-        virtual_stages: model chunks per stage for ``"interleaved"`` (>= 2); the layers
-            are cut into ``num_stages * virtual_stages`` parts and stage ``s`` holds parts
-            ``s, s + num_stages, ...``.
+        schedule: ``"1f1b"`` (default, DeepSpeed's TrainSchedule), ``"gpipe"``,
+            ``"interleaved"``, or a zero-bubble schedule: ``"zb-h1"``, ``"zbv"``,
+            ``"dualpipev"`` (:mod:`shardspeed.parallel.pipeline.schedule`).
+        virtual_stages: model chunks per stage. ``"interleaved"`` takes ``>= 2``: the
+            layers are cut into ``num_stages * virtual_stages`` parts and stage ``s``
+            holds parts ``s, s + num_stages, ...``. ``"zbv"``/``"dualpipev"`` take 2
+            (the default for them): stage ``s`` holds parts ``s`` and ``2 * num_stages -
+            1 - s`` (a V: the first and the last part are on stage 0). Others take 1.
     """
 
     def __init__(
@@ -75,7 +79,7 @@ class PipelineModule(nn.Module):
         dynamic_shape: bool = False,
         *,
         schedule: str = "1f1b",
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
         self._layer_specs = list(layers)
@@ -86,11 +90,20 @@ class PipelineModule(nn.Module):
                 f"PipelineModule(schedule={schedule!r}) is not supported; allowed: "
                 f"{', '.join(SCHEDULES)}."
             )
+        if virtual_stages is None:
+            virtual_stages = 2 if schedule in V_SHAPED else 1
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(
                 f"PipelineModule(virtual_stages={virtual_stages!r}): expected an int >= 1."
             )
-        if (schedule == "interleaved") != (virtual_stages > 1):
+        if schedule in V_SHAPED:
+            if virtual_stages != 2:
+                raise ValueError(
+                    f"PipelineModule(schedule={schedule!r}, virtual_stages={virtual_stages}): "
+                    "a V-shaped schedule holds exactly two chunks per stage; pass "
+                    "virtual_stages=2 or leave it unset."
+                )
+        elif (schedule == "interleaved") != (virtual_stages > 1):
             raise ValueError(
                 f"PipelineModule(schedule={schedule!r}, virtual_stages={virtual_stages}): "
                 "virtual_stages > 1 goes with schedule='interleaved' and vice versa."
@@ -104,6 +117,7 @@ class PipelineModule(nn.Module):
         self.stage_id = self.shard_topology.stage_id
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self.placement: Placement = placement_of(schedule)
         self.loss_fn = loss_fn
         self.seed_layers = seed_layers
         self.seed_fn = seed_fn
@@ -121,7 +135,7 @@ class PipelineModule(nn.Module):
         self._chunk_funcs: list[list[Callable[[Any], Any]]] = []
         self._chunk_layer_indices: list[list[int]] = []
         for chunk in range(virtual_stages):
-            vstage = chunk * self.num_stages + self.stage_id
+            vstage = self.vstage(chunk)
             indices = list(range(self.parts[vstage], self.parts[vstage + 1]))
             self._chunk_layer_indices.append(indices)
             self._chunk_funcs.append([self._build_layer(i) for i in indices])
@@ -231,6 +245,10 @@ class PipelineModule(nn.Module):
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.virtual_stages
 
+    def vstage(self, chunk: int) -> int:
+        """The virtual stage (index of the layer part) that local ``chunk`` runs."""
+        return vstage_of(self.stage_id, chunk, self.num_stages, self.placement)
+
     def stage_layer_indices(self, chunk: int = 0) -> list[int]:
         """Global indices of the layers of local ``chunk``."""
         return list(self._chunk_layer_indices[chunk])
@@ -260,7 +278,8 @@ class PipelineModule(nn.Module):
             for i in range(self.parts[vstage], self.parts[vstage + 1]):
                 layer = self._layer_specs[i]
                 if isinstance(layer, TiedLayerSpec):
-                    owners.setdefault(layer.key, set()).add(vstage % self.num_stages)
+                    stage = locate_vstage(vstage, self.num_stages, self.placement)[0]
+                    owners.setdefault(layer.key, set()).add(stage)
         return {k: sorted(v) for k, v in sorted(owners.items())}
 
     def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
