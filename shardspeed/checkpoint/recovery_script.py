@@ -1,10 +1,11 @@
 """The ``zero_to_fp32.py`` script that DeepSpeed writes next to each ZeRO checkpoint.
 
 ``save_checkpoint`` (rank 0, ZeRO stage >= 1 or bf16, as DeepSpeed) copies
-:mod:`shardspeed.utils.zero_to_fp32` into the save directory as an executable
-``zero_to_fp32.py``, so the habit ``cd CKPT && python zero_to_fp32.py . OUT_DIR`` keeps
-working. Unlike DeepSpeed's self-contained script, this one imports shardspeed (the
-consolidation lives once, in :mod:`shardspeed.checkpoint.zero_to_fp32`).
+:mod:`shardspeed.checkpoint.zero_to_fp32` (DeepSpeed's ``deepspeed.utils.zero_to_fp32``)
+into the save directory as an executable ``zero_to_fp32.py``, so the habit
+``cd CKPT && python zero_to_fp32.py . OUT_DIR`` keeps working. Unlike DeepSpeed's
+self-contained script, this one imports shardspeed (the consolidation lives once, in
+:mod:`shardspeed.checkpoint.consolidate`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SCRIPT_NAME = "zero_to_fp32.py"
 
 
 def _source() -> Path:
-    return Path(__file__).resolve().parents[1] / "utils" / SCRIPT_NAME
+    return Path(__file__).resolve().with_name(SCRIPT_NAME)  # checkpoint/zero_to_fp32.py
 
 
 def wants_recovery_script(stage: int, bf16: bool) -> bool:

@@ -6,6 +6,10 @@ The three functions keep DeepSpeed's signatures and read a checkpoint written by
 ``engine.save_checkpoint`` on any number of ranks, on one CPU. As a script::
 
     python -m shardspeed.utils.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization]
+
+``save_checkpoint`` also copies this file next to ZeRO checkpoints as DeepSpeed's
+``zero_to_fp32.py`` (:mod:`shardspeed.checkpoint.recovery_script`), so it runs as a plain
+script too: absolute imports only.
 """
 
 from __future__ import annotations

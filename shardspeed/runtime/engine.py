@@ -1,14 +1,32 @@
 """The training engine: DeepSpeed's ``DeepSpeedEngine`` surface over one sharding engine.
 
-``backward`` scales and runs autograd while bucketed reductions overlap with it;
-``step`` does nothing until the accumulation boundary, where it runs the sharded
-optimizer (unscale, overflow check, clip, update, all-gather) and the LR schedule.
+``ShardSpeedEngine`` is orchestration only. ``__init__`` assembles policies chosen once
+(mesh axes, offload, the stage's sharding layout, the optimizer and what it can do, the
+reducer, the gradient norm, precision, the LR schedule); ``backward`` scales and runs
+autograd while bucketed reductions overlap with it; ``step`` does nothing until the
+accumulation boundary, where it runs the sharded optimizer (unscale, overflow check, clip,
+update, all-gather) and the LR schedule. The rest lives beside it:
+
+* ``engine_assembly.py``: the construction steps that are functions of config and mesh
+  (each group's mesh axis, the sharding context, offload, the LR schedule);
+* ``optimizer_caps.py``: the basic optimizer's capabilities, read once and checked
+  against the layout (self-reducing 1-bit optimizers, per-parameter segments);
+* ``grad_norm_terms.py``: which master slices the clipping norm sums over which axes;
+* ``engine_state.py``: ``state_dict``/``load_state_dict`` (a tensor-parallel or the
+  layout's own policy) and the master refresh after a load;
+* ``engine_checkpoint_api.py``: ``save_checkpoint``/``load_checkpoint`` and the 16-bit
+  model export (the format lives in :mod:`shardspeed.checkpoint`);
+* ``engine_queries.py``: ``get_lr``, ``get_global_grad_norm``, ``deepspeed_io``, ...;
+* ``config_getters.py``: ``train_batch_size()`` and the other config reads.
+
+Stage differences are the layout's answers (``sharding.shards_optimizer_state``,
+``allows_no_sync``, ``load_updates_masters``), never stage comparisons here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -21,40 +39,49 @@ from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.precision.policy import MixedPrecision
 from shardspeed.runtime.config_getters import ConfigGettersMixin
-from shardspeed.runtime.expert_layout import (
-    expert_axis,
-    expert_name,
-    expert_norm_groups,
-    split_expert_groups,
-    uses_fused_adam,
+from shardspeed.runtime.engine_assembly import (
+    build_lr_scheduler,
+    build_offload,
+    checks_overflow,
+    dense_axis,
+    shard_axis,
+    sharding_context,
 )
-from shardspeed.runtime.memory import memory_breakdown
-from shardspeed.runtime.pipe.module import PipelineModule
+from shardspeed.runtime.engine_checkpoint_api import CheckpointApiMixin
+from shardspeed.runtime.engine_queries import EngineQueriesMixin
+from shardspeed.runtime.engine_state import EngineStateMixin, build_state_dict_policy
+from shardspeed.runtime.expert_layout import split_expert_groups
+from shardspeed.runtime.grad_norm_terms import build_grad_norm
+from shardspeed.runtime.optimizer_caps import (
+    OptimizerCaps,
+    initial_zero_grad_step,
+    takes_initial_zero_grad_step,
+)
 from shardspeed.runtime.reporting import StepReporter
 from shardspeed.runtime.setup import cast_module, collect_param_groups, rebind_optimizer
 from shardspeed.runtime.zero.stage3 import attach_parameter_offload
 from shardspeed.topology import Topology
-from shardspeed.utils.logging import get_logger, info_once, log_dist
-from shardspeed.zero.fragments import param_fragments
-from shardspeed.zero.grad_norm import GradNorm, NormTerm
-from shardspeed.zero.grad_reduction import BucketedReduction, GradReduction, LocalGradients
+from shardspeed.utils.logging import get_logger, log_dist
+from shardspeed.zero.grad_norm import GradNorm
 from shardspeed.zero.init_partition import full_numel
-from shardspeed.zero.offload import OffloadRuntime
 from shardspeed.zero.optimizer import ShardedOptimizer, StepResult
 from shardspeed.zero.reducer import GradReducer
-from shardspeed.zero.sharding import ShardAxis, ShardingContext, build_sharding
+from shardspeed.zero.sharding import build_sharding
 
 logger = get_logger(__name__)
 
 
-class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
+class ShardSpeedEngine(
+    ConfigGettersMixin, EngineQueriesMixin, EngineStateMixin, CheckpointApiMixin, nn.Module
+):
     """Wraps a model for sharded data-parallel training (ZeRO stages 0-3).
 
     Assembled from policies chosen once: the stage's sharding layout
     (:class:`~shardspeed.zero.sharding.FlatSharding` or
-    :class:`~shardspeed.zero.unit_sharding.UnitSharding`), the gradient reduction (the
-    communication seam, :mod:`shardspeed.zero.grad_reduction`), the gradient norm
-    (:class:`~shardspeed.zero.grad_norm.GradNorm`), precision and offload.
+    :class:`~shardspeed.zero.unit_sharding.UnitSharding`), the optimizer's capabilities
+    (:class:`~shardspeed.runtime.optimizer_caps.OptimizerCaps`), the gradient reduction
+    (the communication seam, :mod:`shardspeed.zero.grad_reduction`), the gradient norm
+    (:mod:`shardspeed.runtime.grad_norm_terms`), precision and offload.
     """
 
     def __init__(
@@ -76,16 +103,31 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             attach = getattr(module, "set_deepspeed_parallelism", None)
             if callable(attach):
                 attach()
+        # 1. param groups; empty / frozen-only groups stay in the optimizer (schedulers and
+        # checkpoints count groups, as in DeepSpeed) but hold no shard
         all_groups = collect_param_groups(model, optimizer, model_parameters)
         all_groups = split_expert_groups(all_groups, isinstance(optimizer, torch.optim.Optimizer))
-        # empty / frozen-only groups stay in the optimizer (schedulers and checkpoints count
-        # groups, as in DeepSpeed) but hold no shard: only the others are sharded
         groups = [g for g in all_groups if g["params"]]
+        self._sharded_group_mask = [bool(g["params"]) for g in all_groups]
         numel = sum(full_numel(p) for g in groups for p in g["params"])
-        self.offload = self._build_offload(optimizer, numel)
-        self.shard_axes = [self._shard_axis(g) for g in groups]
-        self.sharding = build_sharding(self._sharding_context(), groups, model)
+        # 2. layout: offload, the axis of each group, the stage's sharding, state dict views
+        self.offload = build_offload(
+            config,
+            self.precision,
+            client_optimizer=optimizer,
+            rank=self.global_rank,
+            device=self.device,
+            numel=numel,
+            dp_world_size=self.dp_world_size,
+        )
+        self.shard_axes = [shard_axis(topology, g["params"]) for g in groups]
+        ctx = sharding_context(
+            config, topology, self.precision, self.shard_axes, self.device, self.offload
+        )
+        self.sharding = build_sharding(ctx, groups, model)
         self.flat_groups = self.sharding.groups
+        self.state_dict_policy = build_state_dict_policy(topology, self.sharding)
+        # 3. the user's optimizer over the flat masters, its capabilities checked once
         masters = iter([g.masters for g in self.flat_groups])
         self.basic_optimizer = rebind_optimizer(
             optimizer,
@@ -94,33 +136,27 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             [next(masters) if g["params"] else [] for g in all_groups],
             offload=self.offload.offload_optimizer,
         )
-        self._sharded_group_mask = [bool(g["params"]) for g in all_groups]
-        self._attach_self_reducing_optimizer()
-        self._give_param_segments()
+        self.optimizer_caps = OptimizerCaps.of(self.basic_optimizer, config.optimizer)
+        self.optimizer_caps.connect(
+            self.basic_optimizer,
+            sharding=self.sharding,
+            topology=topology,
+            dp_group=self.dp_group,
+            shard_axes=self.shard_axes,
+            sharded_group_mask=self._sharded_group_mask,
+        )
+        # 4. gradients: loss scaling, reduction (the comm seam), the sharded optimizer
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.reducer = GradReducer(
             self.sharding.grad_slots(),
-            [self._grad_reduction(axis) for axis in self.shard_axes],
+            [self.optimizer_caps.grad_reduction(a, self.dp_world_size) for a in self.shard_axes],
             self.sharding.reduction_policy(),
             is_boundary=self.is_gradient_accumulation_boundary,
         )
         self.sharding.reducer = self.reducer
-        self.optimizer: ShardedOptimizer | None = None
-        if self.basic_optimizer is not None:
-            self._check_optimizer_supported(self.basic_optimizer)
-            self.optimizer = ShardedOptimizer(
-                self.basic_optimizer,
-                self.flat_groups,
-                self.reducer,
-                publish=self.sharding.publish,
-                grad_norm=self._grad_norm(replicated_params),
-                loss_scaler=self.loss_scaler,
-                gradient_clipping=config.gradient_clipping,
-                check_overflow=self._checks_overflow(),
-            )
-            if self._takes_initial_zero_grad_step():
-                self._initial_zero_grad_step()
-        self.lr_scheduler = self._build_lr_scheduler(lr_scheduler)
+        self.optimizer: ShardedOptimizer | None = self._build_optimizer(replicated_params)
+        # 5. schedule, activation checkpointing, reporting and the optional features
+        self.lr_scheduler = build_lr_scheduler(config, lr_scheduler, self.basic_optimizer)
         if config.activation_checkpointing_given:
             from shardspeed.runtime import activation_checkpointing
 
@@ -179,206 +215,41 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
             config.collective_check, dp_group, self.device
         )
 
-    def _sharding_context(self) -> ShardingContext:
-        p, config = self.precision, self._config
-        return ShardingContext(
-            stage=self.stage,
-            dp_group=self.topology.group(self._dense_axis()),
-            dp_world_size=self.topology.size(self._dense_axis()),
-            axes=self.shard_axes,
-            device=self.device,
-            param_dtype=p.param_dtype,
-            grad_dtype=p.grad_dtype(config.gradient_accumulation_steps),
-            reduce_dtype=p.reduce_dtype,
-            master_dtype=p.master_dtype,
-            offload=self.offload,
-            zero=config.zero_optimization,
-            overlap=config.zero_optimization.overlap_comm,
-            pre_factor=config.gradient_predivide_factor if config.prescale_gradients else 1.0,
+    def _build_optimizer(self, replicated: Sequence[nn.Parameter]) -> ShardedOptimizer | None:
+        """The sharded optimizer over the layout's groups (None without a basic optimizer),
+        stepped once with zero gradients where DeepSpeed's 16-bit ZeRO-0 wrappers do."""
+        if self.basic_optimizer is None:
+            return None
+        optimizer = ShardedOptimizer(
+            self.basic_optimizer,
+            self.flat_groups,
+            self.reducer,
+            publish=self.sharding.publish,
+            grad_norm=self._grad_norm(replicated),
+            loss_scaler=self.loss_scaler,
+            gradient_clipping=self._config.gradient_clipping,
+            check_overflow=checks_overflow(self._config, self.precision),
         )
-
-    def _attach_self_reducing_optimizer(self) -> None:
-        """An optimizer that averages gradients itself (1-bit Adam family) gets the data
-        group and, if it normalises per parameter (1-bit LAMB), where each parameter sits
-        in the flat masters. Such optimizers step whole buckets: ZeRO >= 1 is refused."""
-        opt = self.basic_optimizer
-        if not getattr(opt, "reduces_gradients", False):
-            return
-        if self.stage >= 1:
-            raise ValueError(
-                f"optimizer {type(opt).__name__} compresses its own gradient communication "
-                f"and needs whole parameters, but zero_optimization.stage={self.stage} shards "
-                "them. Fix: set zero_optimization.stage to 0 (as DeepSpeed requires)."
-            )
-        opt.comm_group = self.dp_group
-
-    def _give_param_segments(self) -> None:
-        """Optimizers with per-parameter norms (LAMB, 1-bit LAMB) step flat masters: tell them
-        where each parameter sits (``(offset, numel, index in its group)`` per master) and,
-        at ZeRO >= 1, the shard axis whose ranks hold the parameter's other elements."""
-        opt = self.basic_optimizer
-        if not hasattr(opt, "set_param_segments"):
-            return
-        if self.topology.size("tensor") > 1:
-            raise ValueError(
-                f"optimizer {type(opt).__name__} computes per-parameter norms, which tensor-"
-                "parallel shards would need summed over the tensor axis (not implemented). "
-                "Fix: use an elementwise optimizer (Adam, AdamW, SGD, Lion) with tensor_parallel."
-            )
-        segments, groups, counts = [], [], []
-        sharded = iter(zip(self.flat_groups, self.shard_axes))
-        for has_shard in self._sharded_group_mask:  # one entry per optimizer param group
-            if not has_shard:
-                segments.append([])
-                groups.append(None)
-                counts.append(0)
-                continue
-            group, axis = next(sharded)
-            index = {id(p): i for i, p in enumerate(group.params)}
-            per_master: list[list[tuple[int, int, int]]] = [[] for _ in group.masters]
-            for f in param_fragments(group):
-                per_master[f.master_index].append((f.local, f.length, index[id(f.param)]))
-            segments.append(per_master)
-            groups.append(axis.group if self.stage >= 1 and axis.size > 1 else None)
-            counts.append(len(group.params))
-        opt.set_param_segments(segments, groups, counts)
-
-    def _shard_axis(self, group: dict[str, Any]) -> ShardAxis:
-        """The ranks a param group is sharded and reduced over: the data axis, or the
-        ``expert_data`` axis of its experts (:mod:`shardspeed.runtime.expert_layout`)."""
-        name = expert_name(group["params"])
-        if name is not None:
-            return expert_axis(name)
-        topo, axis = self.topology, self._dense_axis()
-        return ShardAxis(topo.group(axis), topo.size(axis), topo.rank_in(axis))
-
-    def _dense_axis(self) -> str:
-        """What dense parameters are sharded and reduced over: the data axis, and with
-        sequence parallelism data x sequence (every sequence rank holds the whole model
-        and the gradient of its own tokens; gradients are averaged over data ranks only)."""
-        return "data_sequence" if self.topology.size("sequence") > 1 else "data"
-
-    def _grad_reduction(self, axis: ShardAxis) -> GradReduction:
-        """The communication seam: an optimizer that reduces by itself gets local grads.
-        Every gradient is averaged over all data ranks (expert ones are summed over fewer)."""
-        if getattr(self.basic_optimizer, "reduces_gradients", False):
-            return LocalGradients()
-        return BucketedReduction(axis.group, axis.size, average_over=self.dp_world_size)
+        dtype, sharded = self.precision.param_dtype, self.sharding.shards_optimizer_state
+        if takes_initial_zero_grad_step(self._config, sharded, dtype, self.module):
+            initial_zero_grad_step(optimizer, dtype, self.global_rank)
+        return optimizer
 
     def _grad_norm(self, replicated: Sequence[nn.Parameter]) -> GradNorm:
-        """Sum squared norms over every mesh axis whose ranks hold different gradient
-        elements: data when gradients are sharded over it (at stage 0 every data rank
-        holds the same reduced gradients), pipe (stages hold different layers); tensor-
-        parallel shards also over the tensor axis (replicated parameters count once);
-        expert groups over their expert axes. ``replicated`` parameters are counted by
-        another rank (a pipeline's tied copies). Every rank builds the same terms."""
-        topo = self.topology
-        dense = self._dense_axis()
-        # local gradients (a self-reducing optimizer): sum every rank's squares over the
-        # data axis and divide by dp below, so all ranks clip and detect overflow alike
-        local = getattr(self.basic_optimizer, "reduces_gradients", False)
-        axes = [
-            a for a in (dense, "pipe") if topo.size(a) > 1 and (a != dense or self.stage or local)
-        ]
-        default = [topo.group(a) for a in axes]
-        skip = {id(p) for p in replicated}
-        terms = [NormTerm(self._master_slices(lambda p: id(p) in skip), None)] if skip else []
-        if topo.size("tensor") > 1:
-            sharded = self._master_slices(lambda p: getattr(p, "tensor_model_parallel", False))
-            terms.append(NormTerm(sharded, [*default, topo.group("tensor")]))
-        pipe = [topo.group("pipe")] if topo.size("pipe") > 1 else []
-        names = dict.fromkeys(n for g in self.flat_groups if (n := expert_name(g.params)))
-        for name in names:
-            slices = self._master_slices(lambda p, n=name: getattr(p, "group_name", None) == n)
-            axes = expert_norm_groups(
-                name, self.stage >= 1, self._config.moe.grad_norm,
-                low_precision=self.precision.param_dtype != torch.float32,
-                fused_adam=uses_fused_adam(self.basic_optimizer, self._config.optimizer),
-            )  # fmt: skip
-            terms.append(NormTerm(slices, [*axes, *pipe]))
-        divide = float(topo.size(dense)) if local else 1.0
-        return GradNorm(default, self.device, terms, divide=divide)
-
-    def _master_slices(self, keep: Callable[[nn.Parameter], bool]) -> list[tuple[int, int, int]]:
-        """``(index into all masters, lo, hi)`` of this rank's fragments of matching params."""
-        out, base = [], 0
-        for group in self.flat_groups:
-            out += [
-                (base + f.master_index, f.local, f.local + f.length)
-                for f in param_fragments(group)
-                if keep(f.param)
-            ]
-            base += len(group.masters)
-        return out
-
-    def _build_offload(self, optimizer: Any, numel: int) -> OffloadRuntime:
-        """Optimizer (and, at stage 3, parameter) offload as the config asks: none/cpu/nvme."""
-        return OffloadRuntime.from_config(
-            self._config,
-            has_optimizer=optimizer is not None or self._config.optimizer is not None,
-            rank=self.global_rank,
+        """The clipping norm's per-axis terms (:mod:`shardspeed.runtime.grad_norm_terms`);
+        ``replicated`` parameters are counted by another rank (a pipeline's tied copies)."""
+        return build_grad_norm(
+            self.topology,
+            self.flat_groups,
+            dense_axis=dense_axis(self.topology),
+            sharded=self.sharding.shards_optimizer_state,
+            local_grads=self.optimizer_caps.reduces_gradients,
+            replicated=replicated,
+            moe_grad_norm=self._config.moe.grad_norm,
+            low_precision=self.precision.param_dtype != torch.float32,
+            fused_adam=self.optimizer_caps.fused_adam,
             device=self.device,
-            numel_per_rank=-(-numel // self.dp_world_size),
-            param_dtype=self.precision.param_dtype,
-            master_dtype=self.precision.master_dtype,
         )
-
-    def _checks_overflow(self) -> bool:
-        if self.precision.param_dtype == torch.float16:
-            return True
-        if self.precision.param_dtype == torch.bfloat16:
-            return bool(getattr(self._config.bf16, "check_grad_overflow", True))
-        return False
-
-    def _takes_initial_zero_grad_step(self) -> bool:
-        """Whether DeepSpeed 0.19.8 would step this optimizer once with zero gradients when
-        built: its 16-bit ZeRO-0 wrappers (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``,
-        for client and config optimizers alike) do; its ZeRO optimizers, fp32 training and
-        the bf16 pipeline optimizer (``BF16_Optimizer``) do not. Config
-        ``initial_zero_grad_step: "none"`` turns it off."""
-        if self._config.initial_zero_grad_step != "deepspeed" or self.stage != 0:
-            return False
-        dtype = self.precision.param_dtype
-        if dtype == torch.bfloat16:
-            return not isinstance(self.module, PipelineModule)
-        return dtype == torch.float16
-
-    def _initial_zero_grad_step(self) -> None:
-        """DeepSpeed's ``initialize_optimizer_states`` (see :meth:`_takes_initial_zero_grad_step`)."""
-        assert self.optimizer is not None
-        self.optimizer.step_with_zero_grads()
-        if self.global_rank == 0:
-            info_once(
-                f"ZeRO stage 0 with {self.precision.param_dtype} parameters: stepped the "
-                "optimizer once with zero gradients at construction, as DeepSpeed 0.19.8 does "
-                "(Adam's first real update is then about 0.74 lr; weight decay, if any, moved "
-                'the masters once). Set "initial_zero_grad_step": "none" in the config to skip '
-                "it.",
-                __name__,
-            )
-
-    def _check_optimizer_supported(self, optimizer: torch.optim.Optimizer) -> None:
-        from shardspeed.optim import is_elementwise
-
-        if not is_elementwise(optimizer) and not hasattr(optimizer, "set_param_segments"):
-            raise ValueError(
-                f"optimizer {type(optimizer).__name__} is not elementwise (e.g. per-parameter "
-                "norms) and has no set_param_segments() to learn where each parameter sits in "
-                f"the engine's flat buckets (zero_optimization.stage={self.stage}). Use Adam, "
-                "AdamW, SGD, Adagrad, Lion or LAMB, or train it with plain PyTorch."
-            )
-
-    def _build_lr_scheduler(self, lr_scheduler: Any) -> Any:
-        if lr_scheduler is not None:
-            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-                return lr_scheduler(self.basic_optimizer)
-            return lr_scheduler
-        if self._config.scheduler is not None and self.basic_optimizer is not None:
-            from shardspeed.runtime.lr_schedules import build_lr_scheduler
-
-            sched = self._config.scheduler
-            return build_lr_scheduler(sched.type, dict(sched.params), self.basic_optimizer)
-        return None
 
     # -- forward / backward / step -------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -469,7 +340,7 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction for backward passes inside the block (stages 0 and 1)."""
-        if self.stage >= 2:
+        if not self.sharding.allows_no_sync:
             raise RuntimeError(
                 f"no_sync() is incompatible with zero_optimization.stage={self.stage}: gradients "
                 "are reduce-scattered as they are produced. Use gradient_accumulation_steps."
@@ -497,201 +368,11 @@ class ShardSpeedEngine(ConfigGettersMixin, nn.Module):
         self._boundary_override = True
         self.reducer.flush()
 
-    # -- queries ---------------------------------------------------------------------------
-    def was_step_applied(self) -> bool:
-        return self._last_step is not None and self._last_step.applied
-
-    def get_global_grad_norm(self) -> float | None:
-        return None if self._last_step is None else self._last_step.grad_norm
-
-    def get_lr(self) -> list[float]:
-        return [g["lr"] for g in self.basic_optimizer.param_groups] if self.basic_optimizer else []
-
-    def get_mom(self) -> list[Any]:
-        if not self.basic_optimizer:
-            return []
-        return [g.get("betas", (g.get("momentum"),))[0] for g in self.basic_optimizer.param_groups]
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's ``generate`` (DeepSpeed passes it through to the module). With
-        ``hybrid_engine.enabled`` ZeRO-3 weights are gathered once per call."""
-        return self.module.generate(*args, **kwargs)
-
-    def memory_breakdown(self) -> dict[str, int]:
-        """Bytes held on this rank by category: params, grads, master_params, optimizer_state, buffers."""
-        return memory_breakdown(self)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """The module's full state dict in its own names and layout (a collective call at
-        stage 3 and with tensor parallelism: shards are gathered)."""
-        if self.topology.size("tensor") > 1:
-            from shardspeed.parallel.tensor.state import gather_full_state_dict
-            from shardspeed.zero.init import GatheredParameters
-
-            with GatheredParameters(list(self.module.parameters())):  # ZeRO-3: data axis
-                return gather_full_state_dict(self.module)  # then the tensor axis
-        return self.sharding.full_state_dict(self.module, *args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load a full state dict (every rank passes the same one; at stage 3 the shards and
-        masters are updated too; with tensor parallelism each rank takes its slices; with
-        expert parallelism each rank takes its experts from the ``ep_size=1`` model's dict
-        that ``save_16bit_model`` writes, or a dict in its own local names as is)."""
-        from shardspeed.checkpoint.expert_placement import ExpertNames
-
-        state_dict = ExpertNames.of(self.module).local_state(state_dict)
-        if self.topology.size("tensor") > 1:
-            from shardspeed.parallel.tensor.state import load_full_state_dict
-            from shardspeed.zero.init import GatheredParameters
-
-            with GatheredParameters(list(self.module.parameters()), modifier_rank=0):
-                result = load_full_state_dict(self.module, state_dict, strict=strict)
-        else:
-            result = self.sharding.load_full_state_dict(self.module, state_dict, strict)
-        if self.stage < 3:  # stage 3 refreshes its masters when the gathered units exit
-            self._masters_from_params()
-        return result
-
-    @torch.no_grad()
-    def _masters_from_params(self) -> None:
-        """Copy the (just loaded) whole parameters into this rank's master fragments, so the
-        next step starts from them instead of the stale masters (bf16/fp16, offload)."""
-        resident = getattr(self.optimizer, "state_resident", None)
-        with resident(write=True) if resident is not None else contextlib.nullcontext():
-            for group in self.flat_groups:
-                if getattr(group, "masters_alias_params", False):
-                    continue
-                for f in param_fragments(group):
-                    master = group.masters[f.master_index].view(-1)[f.local : f.local + f.length]
-                    master.copy_(f.param.detach().reshape(-1)[f.start : f.start + f.length])
-
-    @torch.no_grad()
-    def publish_params(self) -> None:
-        """Masters -> parameter shards -> usable parameters (after a checkpoint load)."""
-        if self.optimizer is not None:
-            self.optimizer._publish_params()  # respects NVMe-swapped masters
-            return
-        for group in self.flat_groups:
-            group.copy_masters_to_params()
-        self.sharding.publish()
-
+    # -- lifecycle ---------------------------------------------------------------------------
     def train(self, mode: bool = True) -> ShardSpeedEngine:
         self.module.train(mode)
         self.training = mode
         return self
-
-    def deepspeed_io(
-        self,
-        dataset: Any,
-        batch_size: int | None = None,
-        route: str = "train",
-        pin_memory: bool = True,
-        data_sampler: Any = None,
-        collate_fn: Any = None,
-        num_local_io_workers: int | None = None,
-    ) -> Any:
-        """A dataloader of micro-batches over this rank's share of ``dataset``."""
-        from shardspeed.runtime.dataloader import ShardSpeedDataLoader
-
-        return ShardSpeedDataLoader(
-            dataset,
-            batch_size or self._config.train_micro_batch_size_per_gpu,
-            dp_world_size=self.dp_world_size,
-            dp_rank=self.dp_rank,
-            shuffle=route == "train",
-            drop_last=self._config.dataloader_drop_last,
-            collate_fn=collate_fn,
-            num_workers=num_local_io_workers or 0,
-            pin_memory=pin_memory,
-            data_sampler=data_sampler,
-        )
-
-    @property
-    def timers(self) -> Any:
-        """Named phase timers (``forward``, ``backward``, ``backward_reduce``, ``step``)."""
-        return self.reporter.timers
-
-    @property
-    def monitor(self) -> Any:
-        return self.reporter.monitor
-
-    # -- checkpoints (format and resharding live in shardspeed.checkpoint) -----------------
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-        exclude_frozen_parameters: bool = False,
-        async_save: bool | None = None,
-    ) -> bool:
-        """Collective: every rank writes its own shards under ``save_dir/tag``.
-
-        ``async_save`` (default: config ``checkpoint.async_save``) writes in the background.
-        """
-        from shardspeed.checkpoint.engine_api import save_checkpoint
-
-        return save_checkpoint(
-            self,
-            save_dir,
-            tag,
-            client_state or {},
-            save_latest,
-            exclude_frozen_parameters,
-            async_save=async_save,
-        )
-
-    def wait_checkpoint(self) -> None:
-        """Wait for this rank's asynchronous save to be published; raise if it failed."""
-        from shardspeed.checkpoint.engine_api import wait_checkpoint
-
-        wait_checkpoint(self)
-
-    def load_checkpoint(
-        self,
-        load_dir: str,
-        tag: str | None = None,
-        load_module_strict: bool = True,
-        load_optimizer_states: bool = True,
-        load_lr_scheduler_states: bool = True,
-        load_module_only: bool = False,
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """Load (and reshard to this layout) a checkpoint; returns ``(path, client_state)``."""
-        from shardspeed.checkpoint.engine_api import load_checkpoint
-
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_module_strict,
-            load_optimizer_states,
-            load_lr_scheduler_states,
-            load_module_only,
-        )
-
-    def _zero3_consolidated_16bit_state_dict(
-        self, exclude_frozen_parameters: bool = False
-    ) -> dict[str, Any]:
-        """DeepSpeed's name (Accelerate's ZeRO-3 save): the full state dict as host tensors on
-        rank 0 and {} elsewhere; a collective. With expert parallelism rank 0's dict holds
-        every global expert (the ``ep_size=1`` model's names), as ``save_16bit_model``."""
-        from shardspeed.checkpoint.model_export import export_state_dict
-
-        state = export_state_dict(self, exclude_frozen_parameters)
-        return state if state is not None else {}
-
-    def save_16bit_model(
-        self,
-        save_dir: str,
-        save_filename: str = "pytorch_model.bin",
-        exclude_frozen_parameters: bool = False,
-    ) -> bool:
-        """Write the consolidated weights in the training dtype (rank 0 writes)."""
-        from shardspeed.checkpoint.engine_api import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
-
-    save_fp16_model = save_16bit_model
 
     def destroy(self) -> None:
         """Remove hooks and drop references (accelerate calls this).

@@ -1,12 +1,16 @@
-"""DeepSpeed's ``deepspeed.utils.groups`` (users import it from
-:mod:`shardspeed.utils.groups`): the process-group getters, over the job's
+"""DeepSpeed's ``deepspeed.utils.groups`` (users import it as
+:mod:`shardspeed.utils.groups`, a path served by this module; see
+:data:`shardspeed._submodules.MOVED_MODULES`): the process-group getters, over the job's
 :class:`~shardspeed.topology.Topology`.
 
-There are no group globals here: every getter asks the topology that
-``shardspeed.initialize`` built for this world (or, before ``initialize``, builds the plain
-data-parallel one it would build and caches it where ``initialize`` finds it). DeepSpeed's
-"model parallel" group in this module is the tensor-parallel group; the expert getters
-take DeepSpeed's ``group_name`` (``"ep_size_N"``) and answer for the one expert axis.
+It lives in ``runtime/`` because it answers with the mesh ``shardspeed.initialize`` used.
+There are no group globals here: every getter asks
+:data:`~shardspeed.parallel.topology_cache.TOPOLOGIES` for the job's mesh in this world (or,
+before ``initialize``, builds the plain data-parallel one it would build, and keeps it
+there for ``initialize`` to reuse). DeepSpeed's "model parallel" group in this module is
+the tensor-parallel group; the expert getters take DeepSpeed's ``group_name``
+(``"ep_size_N"``) and answer from that ``ep_size``'s expert groups (the ones its MoE layers
+use).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from shardspeed.topology import Topology
 
 
 def _topology() -> Topology:
+    from shardspeed.parallel.topology_cache import TOPOLOGIES
     from shardspeed.runtime import initialize
 
     if not comm.is_initialized():
@@ -26,11 +31,16 @@ def _topology() -> Topology:
             "shardspeed.utils.groups: torch.distributed is not initialised. Fix: call "
             "shardspeed.init_distributed() (or shardspeed.initialize(...)) first."
         )
-    world = (id(comm.get_world_group()), comm.get_world_size())
-    for key, topology in reversed(initialize._TOPOLOGIES.items()):
-        if key[:2] == world:
-            return topology
-    return initialize.build_topology(load_config({"train_batch_size": world[1]}))
+    job = TOPOLOGIES.job()
+    if job is not None:
+        return job
+    return initialize.build_topology(load_config({"train_batch_size": comm.get_world_size()}))
+
+
+def _expert_topology(group_name: str) -> Topology:
+    from shardspeed.parallel.moe.groups import ep_size_of, topology_for
+
+    return topology_for(ep_size_of(group_name))
 
 
 def _group(axis: str) -> Any:
@@ -133,27 +143,27 @@ def _get_sequence_data_parallel_rank() -> int:
 
 
 def _get_expert_parallel_group(group_name: str) -> Any:
-    return _group("expert")
+    return _expert_topology(group_name).group("expert")
 
 
 def _get_expert_parallel_world_size(group_name: str) -> int:
-    return _size("expert")
+    return _expert_topology(group_name).size("expert")
 
 
 def _get_expert_parallel_rank(group_name: str) -> int:
-    return _rank("expert")
+    return _expert_topology(group_name).rank_in("expert")
 
 
 def _get_expert_data_parallel_group(group_name: str) -> Any:
-    return _group("expert_data")
+    return _expert_topology(group_name).group("expert_data")
 
 
 def _get_expert_data_parallel_world_size(group_name: str) -> int:
-    return _size("expert_data")
+    return _expert_topology(group_name).size("expert_data")
 
 
 def _get_expert_data_parallel_rank(group_name: str) -> int:
-    return _rank("expert_data")
+    return _expert_topology(group_name).rank_in("expert_data")
 
 
 __all__ = [

@@ -154,16 +154,17 @@ def _build_engine(
 def build_topology(config: ShardSpeedConfig, mpu: Any = None, tp: int = 1) -> Topology:
     """The job's device mesh: from a Megatron/DeepSpeed-style ``mpu`` when one is given,
     otherwise from the parallel degrees (``tp`` from AutoTP, ``sequence_parallel_size``).
-    Built once per layout and process group, then reused; the tensor- and sequence-parallel
-    layers are handed the same mesh (``register_topology``)."""
+    Built once per layout and world group, then reused (kept in
+    :data:`~shardspeed.parallel.topology_cache.TOPOLOGIES`, where ``deepspeed.utils.groups``
+    finds it); the tensor- and sequence-parallel layers are handed the same mesh."""
+    from shardspeed.parallel.topology_cache import TOPOLOGIES
+
     if mpu is not None:
-        return Topology.from_mpu(mpu)
+        topology = Topology.from_mpu(mpu)
+        TOPOLOGIES.set_job(topology)
+        return topology
     sp = config.sequence_parallel_size or 1
-    key = (id(comm.get_world_group()), comm.get_world_size(), tp, sp)
-    topology = _TOPOLOGIES.get(key)
-    if topology is None:
-        topology = _TOPOLOGIES[key] = _mesh(tp, sp)
-    return topology
+    return TOPOLOGIES.job_topology(tp, sp, lambda: _mesh(tp, sp))
 
 
 def _mesh(tp: int, sp: int) -> Topology:
@@ -216,10 +217,6 @@ def shard_for_tensor_parallelism(
         partition_config=tp_config.partition_config,
         preset_model=tp_config.preset_model,
     )
-
-
-# Meshes already built on this process group (initialize may run many times per process).
-_TOPOLOGIES: dict[tuple[int, int, int, int], Topology] = {}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,8 +1,10 @@
 """Small shared utilities (logging, accelerator helpers) and, as in ``deepspeed.utils``, the
 ``safe_get_*`` / ``safe_set_*`` accessors of a parameter's fp32 state
 (:mod:`shardspeed.zero.tensor_fragment`), ``RepeatingLoader``, ``set_z3_leaf_modules`` (by
-class, name or name suffix) and friends (:mod:`shardspeed.runtime.zero.leaf_module`), and
-the submodules ``groups`` and ``zero_to_fp32``; all loaded on first use."""
+class, name or name suffix) and friends (:mod:`shardspeed.runtime.zero.leaf_module`); all
+loaded on first use. DeepSpeed's submodules ``utils.groups`` and ``utils.zero_to_fp32`` are
+served from the layers that define them (:mod:`shardspeed.runtime.groups`,
+:mod:`shardspeed.checkpoint.zero_to_fp32`; see :data:`shardspeed._submodules.MOVED_MODULES`)."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ __all__ = ["get_logger", "log_dist", "logger", *_LAZY_NAMES]
 
 def __getattr__(name: str) -> Any:
     if name not in _LAZY_NAMES:
-        return load_submodule(__name__, name)  # groups, zero_to_fp32, ...
+        return load_submodule(__name__, name)  # logging, groups, zero_to_fp32, ...
     value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
     globals()[name] = value
     return value

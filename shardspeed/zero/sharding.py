@@ -15,7 +15,9 @@ slice of each):
 Both expose the same small surface to the engine: ``groups`` (what the optimizer steps),
 ``grad_slots()`` (what the reducer reduces, in launch order), ``reduction_policy()``,
 ``publish()`` (masters have been written into the parameter shards: make the parameters
-usable), ``full_state_dict()``/``load_full_state_dict()``, ``remove()``.
+usable), ``full_state_dict()``/``load_full_state_dict()``, ``remove()``, and the stage's
+answers to the engine's questions (``shards_optimizer_state``, ``allows_no_sync``,
+``load_updates_masters``), so the engine never compares stage numbers.
 """
 
 from __future__ import annotations
@@ -129,6 +131,23 @@ class FlatSharding:
 
     def remove(self) -> None:
         """Nothing installed on the model besides the reducer's hooks."""
+
+    # -- what the engine asks of the layout ------------------------------------------------
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Stages 1/2: each rank holds and steps only its slice of the masters."""
+        return self.ctx.stage >= 1
+
+    @property
+    def allows_no_sync(self) -> bool:
+        """Stages 0/1: full gradients wait in the buffer until the boundary's reduction."""
+        return self.ctx.stage <= 1
+
+    @property
+    def load_updates_masters(self) -> bool:
+        """Loading a full state dict writes the parameters only; the engine then refreshes
+        the masters from them."""
+        return False
 
 
 def build_sharding(

@@ -266,3 +266,19 @@ class UnitSharding:
     def remove(self) -> None:
         """Remove the gather/release hooks."""
         self.coordinator.remove()
+
+    # -- what the engine asks of the layout ------------------------------------------------
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Always: each rank holds and steps only its slice of every flat."""
+        return True
+
+    @property
+    def allows_no_sync(self) -> bool:
+        """Never: gradients are reduce-scattered into shards as they are produced."""
+        return False
+
+    @property
+    def load_updates_masters(self) -> bool:
+        """Loading gathers the units and writes back into shards and masters on exit."""
+        return True

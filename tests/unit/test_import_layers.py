@@ -5,7 +5,10 @@ module (``topology.py``, ``accelerator.py``, ...) and ``shardspeed/__init__.py``
 ``a -> b`` is any ``import`` of ``b`` in a file of ``a``: at module level, inside functions
 and under ``TYPE_CHECKING`` alike. ``importlib.import_module("shardspeed...")`` with a
 literal name counts too, except in the public-API facades that load submodules lazily
-(:data:`LAZY_FACADES`).
+(:data:`LAZY_FACADES`). An import of one of DeepSpeed's moved paths
+(:data:`shardspeed._submodules.MOVED_MODULES`, e.g. ``shardspeed.utils.groups``) counts as an
+import of the module that defines it (``shardspeed.runtime.groups``): the edge follows the
+code, not the name.
 """
 
 from __future__ import annotations
@@ -14,16 +17,12 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
+from shardspeed._submodules import MOVED_MODULES
+
 PACKAGE = Path(__file__).resolve().parents[2] / "shardspeed"
 
 # Files whose string-based importlib.import_module(...) is a public-API lazy facade.
 LAZY_FACADES = frozenset({"__init__.py", "utils/__init__.py", "ops/__init__.py"})
-
-# Thin modules at DeepSpeed's import paths that re-export code from a higher layer
-# (``deepspeed.utils.groups`` needs the topology). Their imports are not edges: nothing in
-# shardspeed imports them and they define nothing (checked below), so they cannot close a
-# cycle; the code they re-export is layered like any other.
-DEEPSPEED_PATH_SHIMS = frozenset({"utils/groups.py", "utils/zero_to_fp32.py"})
 
 
 def _module_name(path: Path) -> str:
@@ -32,6 +31,8 @@ def _module_name(path: Path) -> str:
 
 
 def _is_module(name: str) -> bool:
+    if name in MOVED_MODULES:
+        return True
     path = PACKAGE.parent.joinpath(*name.split("."))
     return path.is_dir() or path.with_suffix(".py").is_file()
 
@@ -44,10 +45,20 @@ def _node(module: str) -> str:
     return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
 
 
+def _package_of(path: Path) -> str:
+    """The package that relative imports in ``path`` start from."""
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def _imported_modules(path: Path) -> Iterator[str]:
     """Every ``shardspeed`` module ``path`` imports (``from a import b`` -> ``a.b`` if a module)."""
-    name = _module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for imported in _imported_names(path, _package_of(path)):
+        yield MOVED_MODULES.get(imported, imported)
+
+
+def _imported_names(path: Path, package: str) -> Iterator[str]:
+    """The module names as written in ``path`` (moved DeepSpeed paths not yet resolved)."""
     count_strings = str(path.relative_to(PACKAGE)) not in LAZY_FACADES
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -76,8 +87,6 @@ def _edges() -> dict[tuple[str, str], list[str]]:
     """``(from_node, to_node)`` -> the ``module -> imported`` lines behind that edge."""
     edges: dict[tuple[str, str], list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if str(path.relative_to(PACKAGE)) in DEEPSPEED_PATH_SHIMS:
-            continue
         source = _module_name(path)
         for target in _imported_modules(path):
             if target != "shardspeed" and not target.startswith("shardspeed."):
@@ -158,26 +167,24 @@ def test_cycle_finder() -> None:
     assert _cycles(graph) == [["a/", "b/", "c/"]]
 
 
-def test_deepspeed_path_shims_are_thin_leaves() -> None:
-    shim_modules = {_module_name(PACKAGE / shim) for shim in DEEPSPEED_PATH_SHIMS}
+def test_moved_deepspeed_paths_are_served_not_imported() -> None:
+    # A moved path is no file (the finder in shardspeed._submodules serves it as the module
+    # that defines it), and library code imports that module by its own name.
+    for moved, defining in sorted(MOVED_MODULES.items()):
+        assert not _is_file_module(moved), f"{moved} is both a file and a moved path"
+        assert _is_file_module(defining), f"MOVED_MODULES[{moved!r}]: {defining} does not exist"
     importers = [
-        f"{_module_name(path)} -> {target}"
+        f"{_module_name(path)} -> {name}"
         for path in sorted(PACKAGE.rglob("*.py"))
-        for target in _imported_modules(path)
-        if target in shim_modules
+        for name in _imported_names(path, _package_of(path))
+        if name in MOVED_MODULES
     ]
     assert not importers, (
-        f"DeepSpeed path shims must not be imported inside shardspeed: {importers}"
+        "library code imports a moved DeepSpeed path; import the defining module instead "
+        f"({MOVED_MODULES}):\n" + "\n".join(importers)
     )
-    for shim in sorted(DEEPSPEED_PATH_SHIMS):
-        tree = ast.parse((PACKAGE / shim).read_text())
-        for node in tree.body:
-            is_docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-            is_all = isinstance(node, ast.Assign) and [
-                getattr(t, "id", None) for t in node.targets
-            ] == ["__all__"]
-            is_main = isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
-            assert isinstance(node, ast.ImportFrom) or is_docstring or is_all or is_main, (
-                f"{shim} line {node.lineno}: a DeepSpeed path shim only re-exports; move the "
-                "code to the module it re-exports from"
-            )
+
+
+def _is_file_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return (path / "__init__.py").is_file() or path.with_suffix(".py").is_file()

@@ -39,15 +39,24 @@ class _ShardSpeedAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith(_PREFIX):
             return None
-        if importlib.util.find_spec("shardspeed." + fullname[len(_PREFIX) :]) is None:
+        target = importlib.util.find_spec("shardspeed." + fullname[len(_PREFIX) :])
+        if target is None:
             return None
-        return importlib.util.spec_from_loader(fullname, self)
+        # origin: sys.argv[0] under `python -m deepspeed.X.Y`
+        return importlib.util.spec_from_loader(fullname, self, origin=target.origin)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         return importlib.import_module("shardspeed." + spec.name[len(_PREFIX) :])
 
     def exec_module(self, module: ModuleType) -> None:
         pass  # already executed as shardspeed.X.Y
+
+    def get_code(self, fullname: str) -> Any:
+        """The module's code, for ``python -m deepspeed.utils.zero_to_fp32`` (runpy)."""
+        target = importlib.util.find_spec("shardspeed." + fullname[len(_PREFIX) :])
+        if target is None or target.loader is self:  # not found, or our own spec again
+            return None
+        return target.loader.get_code(target.name)
 
 
 if not any(isinstance(finder, _ShardSpeedAlias) for finder in sys.meta_path):

@@ -2,8 +2,9 @@
 
 DeepSpeed's ``MoE`` creates its groups from ``ep_size`` alone (``deepspeed.utils.groups``,
 group name ``"ep_size_<ep>"``). Here that is ``Topology.build(ep=ep_size)`` over the
-current world (dp = world), built once per ``ep_size`` and cached for as long as the world
-group lives; its groups are DeepSpeed's "E + D" groups::
+current world (dp = world), built once per ``ep_size`` and kept for as long as the world
+group lives (in :data:`~shardspeed.parallel.topology_cache.TOPOLOGIES`); its groups are
+DeepSpeed's "E + D" groups::
 
     world 4, ep 2:  expert (all-to-all)      [0, 1] [2, 3]
                     expert_data (reduce)     [0, 2] [1, 3]
@@ -18,11 +19,10 @@ import re
 from typing import Any
 
 from shardspeed import comm
+from shardspeed.parallel.topology_cache import TOPOLOGIES
 from shardspeed.topology import Topology
-from shardspeed.utils.reset_hooks import register_reset_hook
 
 _GROUP_NAME = re.compile(r"ep_size_(\d+)")
-_TOPOLOGIES: dict[int, tuple[Any, Topology]] = {}  # ep_size -> (world group, topology)
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -53,18 +53,12 @@ def topology_for(ep_size: int) -> Topology:
             "shardspeed.init_distributed() (or launch with torchrun) before building "
             "expert-parallel layers; a single process supports ep_size=1 only."
         )
-    world = comm.get_world_group()
-    cached = _TOPOLOGIES.get(ep_size)
-    if cached is not None and cached[0] is world:
-        return cached[1]
     try:
-        topology = Topology.build(ep=ep_size)
+        return TOPOLOGIES.axis_topology("expert", ep_size)
     except ValueError as exc:
         raise ValueError(
             f"MoE ep_size={ep_size} does not fit the world of {comm.get_world_size()} ranks: {exc}"
         ) from exc
-    _TOPOLOGIES[ep_size] = (world, topology)
-    return topology
 
 
 def expert_parallel_group(group_name: str) -> Any:
@@ -86,10 +80,3 @@ def expert_data_group_of(param: Any) -> Any:
             "allreduce=False and group_name); dense parameters reduce over the data axis."
         )
     return expert_data_parallel_group(group_name)
-
-
-def _forget_topologies() -> None:
-    _TOPOLOGIES.clear()
-
-
-register_reset_hook(_forget_topologies)
