@@ -117,6 +117,9 @@ def _costs(zero: int, m: int, extra: dict[str, Any]) -> dict[str, Any]:
         **extra,
     }
     engine, _, _, _ = shardspeed.initialize(model=net, config=config)
+    from shardspeed.utils import groups  # DeepSpeed's groups answer from the pipeline mesh
+
+    assert groups.get_data_parallel_world_size() == 2  # not 4: the pipe axis is not data
     g = torch.Generator().manual_seed(engine.dp_rank)
     data = [(torch.randn(2, 4, WIDE, generator=g), torch.randn(2, 4, WIDE, generator=g))] * m
     engine.train_batch(iter(data))  # optimizer state exists after the first step

@@ -37,6 +37,7 @@ from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads
 from shardspeed.parallel.pipeline.p2p import StageLink
 from shardspeed.parallel.pipeline.schedule import ZERO_BUBBLE, build_schedule, check_schedule_args
 from shardspeed.parallel.pipeline.tied import TiedWeights
+from shardspeed.parallel.topology_cache import TOPOLOGIES
 from shardspeed.runtime.engine import ShardSpeedEngine
 from shardspeed.runtime.pipe.executor import ScheduleExecutor
 from shardspeed.runtime.pipe.module import PipelineModule
@@ -355,6 +356,7 @@ def initialize_pipeline(
     """``shardspeed.initialize`` for a ``PipelineModule``: ``(engine, optimizer, loader, sched)``."""
     topology = model.shard_topology
     cfg = load_config(raw_config, dp_world_size=topology.dp)
+    TOPOLOGIES.set_job(topology)  # deepspeed.utils.groups answers with the pipeline's mesh
     stages = cfg.pipeline.stages
     if stages != "auto" and stages != topology.pp:
         raise ValueError(
