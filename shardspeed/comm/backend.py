@@ -289,7 +289,10 @@ def destroy_process_group(group: Any = None) -> None:
         return
     dist.destroy_process_group(group)
     if group is None:
+        from shardspeed.comm.logger import forget_groups
+
         reset_state()
+        forget_groups()
 
 
 def reset_state() -> None:

@@ -331,6 +331,13 @@ def current_tag() -> str | None:
     return _TAG[0]
 
 
+def forget_groups() -> None:
+    """Drop the ring buffer's entries (they hold their process groups, whose gloo threads
+    would live on after the world is destroyed)."""
+    _RECENT.clear()
+    _LAST.__dict__.clear()
+
+
 def reset_state() -> None:
     """Back to a fresh process: logger off, nothing recorded, empty ring buffer."""
     global _SEQ
