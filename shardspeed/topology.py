@@ -64,6 +64,8 @@ from shardspeed.utils.logging import get_logger
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from shardspeed.comm.node_groups import NodeGroups
+
 logger = get_logger(__name__)
 
 # Fine-grained axes, outermost first; "data" is (expert_data, expert).
@@ -494,3 +496,25 @@ class Topology:
                 f"{r:>4}  {c.pipe:>4}  {c.data:>4}  {c.sequence:>4}  {c.tensor:>6}  {c.expert:>6}  {c.expert_data:>8}"
             )
         return "\n".join(rows)
+
+    # ----------------------------------------------------------------- hosts
+    def node_groups(self) -> NodeGroups:
+        """Which ranks share a host, with this rank's intra- and inter-host process groups.
+
+        Collective on the first call (one ``all_gather_object`` of host keys, then the
+        groups; every rank, same order); cached. Independent of the mesh axes: compare with
+        ``node_groups().layout.spans_hosts(topology.axis_ranks("tensor"))``. See
+        :mod:`shardspeed.comm.node_groups` for how hosts are told apart.
+        """
+        from shardspeed import comm
+        from shardspeed.comm.node_groups import NodeGroups
+
+        cached = getattr(self, "_node_groups", None)
+        if cached is None:
+            if comm.get_world_size() != self._world_size:
+                raise ValueError(
+                    f"{self!r} needs {self._world_size} ranks but torch.distributed has "
+                    f"{comm.get_world_size()}; build the Topology from the launched world size."
+                )
+            cached = self._node_groups = NodeGroups.build()
+        return cached
