@@ -1,28 +1,21 @@
-"""``PipelineEngine``: DeepSpeed's pipeline engine on top of the sharding engine.
+"""``PipelineEngine``: DeepSpeed's pipeline engine name over the one sharding engine.
 
-The engine is a :class:`ShardSpeedEngine` over *this stage's* layers with the topology's
-data-parallel group, so ZeRO sharding (stages 0-3), mixed precision, loss scaling,
-clipping and the LR schedule are the sharding engine's own code. What it adds:
+A pipeline stage is an ordinary :class:`ShardSpeedEngine` over *this stage's* layers with
+the topology's data-parallel group: ZeRO sharding (stages 0-3), mixed precision, loss
+scaling, clipping and the LR schedule are the engine's own code. The pipeline itself is
+a schedule that drives that engine, :class:`~.driver.PipelineDriver` (composition): the
+executor runs the schedule's micro-batch actions and the driver answers the end-of-batch
+ones (tied-gradient sum, the batch's one gradient reduction, the optimizer step) with the
+engine's operations. This class is the DeepSpeed surface over both: construction checks
+(``PipelineModule`` arguments against the config, ZeRO-3 residency), ``train_batch`` /
+``eval_batch``, ``is_first_stage``/``is_last_stage``, data iterators, checkpoint hooks, and
+clear errors for ``forward``/``backward``/``step``, which a pipeline does not have.
 
-* ``train_batch`` runs the schedule's instructions (:mod:`shardspeed.parallel.pipeline.schedule`)
-  through an :class:`~.executor.ScheduleExecutor`: ``gradient_accumulation_steps``
-  micro-batches with gradient reduction switched off (``set_gradient_reduction(False)``),
-  so every stage accumulates its gradients in ``param.grad`` (or the flat gradient buffer
-  at stages 0/1) and issues no collective per micro-batch;
-* at the end of the batch: ``ReduceTiedGrads`` (sum tied weights over their tie
-  group), ``ReduceGrads`` (one data-parallel reduction for the whole batch: an
-  all-reduce at stages 0/1, a reduce-scatter into the gradient shards at stages 2/3), and
-  ``OptimizerStep`` (the engine's step; its gradient norm was built to span the pipe
-  group and to count tied copies once);
-* at ZeRO-3 the stage's layers are its units; they stay gathered for the whole batch or
-  are resharded after each pass (``pipeline.reshard_after_forward``,
-  :mod:`~.zero_residency`);
-* the batch loss is averaged on the last stage and broadcast to every stage.
-
-DeepSpeed refuses ZeRO-2/3 with pipeline parallelism; here they need nothing beyond
-the reduction being deferred to the end of the batch, which every stage already does.
+At ZeRO-3 the stage's layers are its units; they stay gathered for the whole batch or are
+resharded after each pass (``pipeline.reshard_after_forward``, :mod:`~.zero_residency`).
+DeepSpeed refuses ZeRO-2/3 with pipeline parallelism; here they need nothing beyond the
+reduction being deferred to the end of the batch, which every stage already does.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -33,15 +26,14 @@ import torch
 from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
 from shardspeed.config import ShardSpeedConfig, load_config
-from shardspeed.parallel.pipeline.instructions import OptimizerStep, ReduceGrads, ReduceTiedGrads
-from shardspeed.parallel.pipeline.p2p import StageLink
-from shardspeed.parallel.pipeline.schedule import ZERO_BUBBLE, build_schedule, check_schedule_args
+from shardspeed.parallel.pipeline.schedule import ZERO_BUBBLE, check_schedule_args
 from shardspeed.parallel.pipeline.tied import TiedWeights
 from shardspeed.parallel.topology_cache import TOPOLOGIES
 from shardspeed.runtime.engine import ShardSpeedEngine
+from shardspeed.runtime.pipe.driver import PipelineDriver
 from shardspeed.runtime.pipe.executor import ScheduleExecutor
 from shardspeed.runtime.pipe.module import PipelineModule
-from shardspeed.runtime.pipe.zero_residency import batch_residency, residency_cost
+from shardspeed.runtime.pipe.zero_residency import residency_cost
 from shardspeed.topology import Topology
 from shardspeed.utils.logging import get_logger, log_dist, warning_once
 
@@ -135,32 +127,20 @@ class PipelineEngine(ShardSpeedEngine):
             lr_scheduler=lr_scheduler,
             replicated_params=model.replicated_parameters(),  # tied copies count once
         )
-        self.ties = ties
         self.stage_id = topology.stage_id
         self.num_stages = topology.pp
-        self.pipe_group = topology.group("pipe")
         self.micro_batches = config.gradient_accumulation_steps
         self.schedule_kind = schedule_kind
+        self.virtual_stages = model.virtual_stages
         # ZeRO-3: the stage's units gathered once per batch, or per pass (zero_residency.py)
         self.keep_gathered = self.stage == 3 and not config.pipeline.reshard_after_forward
         self.residency = residency_cost(self.sharding) if self.stage == 3 else None
         if self.stage == 3:
             self.sharding.coordinator.reshard_after_forward = config.pipeline.reshard_after_forward
-        self.virtual_stages = model.virtual_stages
-        self.set_gradient_reduction(False)  # reduce once per batch, in ReduceGrads
-        self.link = StageLink(
-            [topology.stage_rank(s) for s in range(self.num_stages)],
-            self.device,
-            dynamic_shape=model.dynamic_shape,
+        # the schedule drives this engine (driver.py); this class is DeepSpeed's surface
+        self.pipeline = PipelineDriver(
+            self, model, ties, schedule_kind=schedule_kind, keep_gathered=self.keep_gathered
         )
-        self.executor = ScheduleExecutor(
-            model,
-            self.link,
-            device=self.device,
-            input_dtype=self.precision.param_dtype,
-            scale_loss=self.scale,
-        )
-        self.executor.params_resident = self.keep_gathered
         self.data_iterator: Iterator[Any] | None = None
         self.batch_fn: Callable[[Any], Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
@@ -196,7 +176,7 @@ class PipelineEngine(ShardSpeedEngine):
 
     def reset_activation_shape(self) -> None:
         """Renegotiate activation shapes on the next micro-batch (call on every rank)."""
-        self.link.reset_shapes()
+        self.pipeline.link.reset_shapes()
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches.
@@ -206,30 +186,7 @@ class PipelineEngine(ShardSpeedEngine):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
-        self.agg_train_loss = None
-        schedule = build_schedule(
-            self.schedule_kind,
-            self.micro_batches,
-            self.num_stages,
-            self.stage_id,
-            self.virtual_stages,
-        )
-        try:
-            with batch_residency(self.sharding, self.keep_gathered):
-                self.executor.run(
-                    schedule,
-                    self.data_iterator,
-                    batch_fn=self.batch_fn,
-                    handlers={
-                        ReduceTiedGrads: self._reduce_tied_grads,
-                        ReduceGrads: self._reduce_grads,
-                        OptimizerStep: self._optimizer_step,
-                    },
-                )
-        finally:  # micro-batches of the next batch accumulate without reducing again
-            self.set_gradient_reduction(False)
-            self._boundary_override = None
-        assert self.agg_train_loss is not None
+        self.agg_train_loss = self.pipeline.train_batch(self.data_iterator, self.batch_fn)
         return self.agg_train_loss
 
     def eval_batch(
@@ -253,26 +210,15 @@ class PipelineEngine(ShardSpeedEngine):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): allowed 'avg' or None.")
         was_training = self.module.training
         self.module.eval()
-        schedule = build_schedule(
-            self.schedule_kind,
-            num_micro_batches or self.micro_batches,
-            self.num_stages,
-            self.stage_id,
-            self.virtual_stages,
-            train=False,
-        )
-        self.link.reset_shapes()  # eval may use other shapes than training
         try:
-            with torch.no_grad():
-                result = self.executor.run(
-                    schedule,
-                    data_iter,
-                    batch_fn=self.batch_fn,
-                    compute_loss=compute_loss,
-                    keep_outputs=return_logits,
-                )
+            result = self.pipeline.eval_batch(
+                data_iter,
+                self.batch_fn,
+                num_micro_batches=num_micro_batches or self.micro_batches,
+                compute_loss=compute_loss,
+                keep_outputs=return_logits,
+            )
         finally:
-            self.link.reset_shapes()
             self.module.train(was_training)
         outputs = result.outputs if self.is_last_stage() else None
         if not compute_loss:
@@ -280,37 +226,21 @@ class PipelineEngine(ShardSpeedEngine):
         elif reduce_output is None:
             output = result.losses if self.is_last_stage() else None
         else:
-            output = self._aggregate_loss(result.losses, broadcast=bcast_loss)
+            output = self.pipeline.aggregate_loss(result.losses, broadcast=bcast_loss)
         return (output, outputs) if return_logits else output
 
-    # -- end-of-batch instructions --------------------------------------------------------
-    def _reduce_tied_grads(self) -> None:
-        self.ties.reduce_grads(self.flat_groups)
+    # -- the driver's parts, under the names DeepSpeed scripts and tests use -----------------
+    @property
+    def link(self) -> Any:
+        return self.pipeline.link
 
-    def _reduce_grads(self) -> None:
-        self.allreduce_gradients()
+    @property
+    def executor(self) -> ScheduleExecutor:
+        return self.pipeline.executor
 
-    def _optimizer_step(self) -> None:
-        self.agg_train_loss = self._aggregate_loss(self.executor.result.losses, broadcast=True)
-        self.reporter.record_loss(self.agg_train_loss)
-        self.micro_steps += self.micro_batches
-        self._take_optimizer_step({})
-
-    def _aggregate_loss(self, losses: list[torch.Tensor], broadcast: bool) -> torch.Tensor | None:
-        """Mean over micro-batches and data-parallel ranks, from the last stage."""
-        if self.is_last_stage():
-            loss = torch.stack(losses).mean().to(self.device)
-            if self.dp_world_size > 1:
-                comm.all_reduce(loss, group=self.dp_group)
-                loss /= self.dp_world_size
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        if self.num_stages > 1 and broadcast:
-            src = self.topology.stage_rank(self.num_stages - 1)
-            comm.broadcast(loss, src=src, group=self.pipe_group)
-        elif not self.is_last_stage():
-            return None
-        return loss
+    @property
+    def ties(self) -> TiedWeights:
+        return self.pipeline.ties
 
     # -- checkpoint hook (see shardspeed.checkpoint.shards) ---------------------------------
     def checkpoint_replicated_params(self) -> list[torch.nn.Parameter]:
