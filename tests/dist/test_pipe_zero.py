@@ -25,7 +25,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from test_pipe_engine import PipeSpec, _run_all, check_parity, micro_batch, reference_run
+from test_checkpoint_pipeline import _engine, _train
+from test_pipe_engine import PipeSpec, _run_all, check_parity, reference_run
 
 from shardspeed.testing import assert_close_rel, run_distributed
 
@@ -164,34 +165,6 @@ def test_pipeline_zero_reduces_once_per_batch_and_saves_memory() -> None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _engine(spec: PipeSpec, base_seed: int = 1234) -> Any:
-    import shardspeed
-    from shardspeed.pipe import PipeDataParallelTopology, PipelineModule
-
-    net = PipelineModule(
-        spec.layers(),
-        topology=PipeDataParallelTopology(num_pp=spec.pp, num_dp=spec.dp),
-        loss_fn=spec.loss_fn(),
-        seed_layers=True,
-        base_seed=base_seed,
-        partition_method="uniform",
-    )
-    engine, _, _, _ = shardspeed.initialize(model=net, config=spec.config())
-    return engine
-
-
-def _train(engine: Any, spec: PipeSpec, steps: range) -> list[float]:
-    d = engine.dp_rank
-
-    def data():
-        for step in steps:
-            for k in range(spec.m):
-                yield micro_batch(spec, step, k * spec.dp + d)
-
-    it = data()
-    return [float(engine.train_batch(it)) for _ in steps]
-
-
 def _save(spec: PipeSpec, path: str) -> list[float]:
     engine = _engine(spec)
     losses = _train(engine, spec, range(2))
