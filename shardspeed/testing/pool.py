@@ -58,7 +58,12 @@ def _mp_context() -> mp.context.BaseContext:
         )
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "shardspeed.testing._worker"])
+        # _preload: shardspeed's engine and transformers' model classes, imported once by
+        # the server instead of by every rank of every pool start (see that module)
+        preload = ["torch", "torch.distributed", "shardspeed.testing._worker"]
+        if os.environ.get("SHARDSPEED_TEST_PRELOAD", "1") != "0":
+            preload.append("shardspeed.testing._preload")
+        ctx.set_forkserver_preload(preload)
     return ctx
 
 

@@ -4,6 +4,9 @@ Each script is launched as a user would (``shardspeed --nproc 2 script.py ...``)
 synthetic data for a few steps: CIFAR-10 without and with MoE (ep 2, two MoE layers,
 MoE param groups, ZeRO 2), the pipeline AlexNet (2 stages, and ``train_base`` without a
 pipeline) and BERT MLM (ZeRO 2, WarmupDecayLR, save_checkpoint then resume). The CIFAR-10
+runs at ZeRO 2 are each launched once (``_cifar10_ours``) and feed both the "runs on both
+ranks" and the loss tests (suite time); the stage-0 dense run, AlexNet's ``train_base`` and
+BERT's resume are ``@pytest.mark.slow``. The CIFAR-10
 script's per-step losses under DeepSpeed 0.19.8 itself must equal ours (same weights, same
 data order, same RNG draws - top-2 gating samples noise from the global generator): within
 1e-6 without MoE and with top-1 and top-2 MoE. DeepSpeed's losses are recorded in
@@ -46,30 +49,56 @@ def _launch(script: str, *args: str, cwd: Path, python: str = sys.executable) ->
     return done.stdout
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe_ep2"])
-def test_cifar10_tutorial(moe: bool, tmp_path: Path) -> None:
-    args = ["--deepspeed", "--max-steps", "6", *(MOE_ARGS if moe else [])]
-    out = _launch("cifar10_deepspeed.py", *args, cwd=tmp_path)
+@pytest.mark.parametrize("top_k", [0, 1], ids=["dense_z2", "moe_ep2"])
+def test_cifar10_tutorial(top_k: int) -> None:
+    """Both ranks finish; the run is the one the loss test compares with DeepSpeed's (MOE_ARGS
+    at top-1 is the ep-2 MoE case)."""
+    out = _cifar10_ours(top_k)[1]
+    assert "rank 0: finished 12 steps" in out and "rank 1: finished 12 steps" in out
+
+
+@pytest.mark.slow  # suite time: the same script at ZeRO 2 runs in make test (above)
+def test_cifar10_tutorial_stage0(tmp_path: Path) -> None:
+    out = _launch("cifar10_deepspeed.py", "--deepspeed", "--max-steps", "6", cwd=tmp_path)
     assert "rank 0: finished 6 steps" in out and "rank 1: finished 6 steps" in out
 
 
 def test_pipeline_alexnet_tutorial(tmp_path: Path) -> None:
     config = str(TUTORIALS / "ds_config_pipeline.json")
     _launch("pipeline_alexnet.py", "--deepspeed_config", config, "-s", "3", cwd=tmp_path)
+
+
+@pytest.mark.slow  # suite time: plain data parallelism from a tutorial runs in CIFAR-10's tests
+def test_alexnet_tutorial_without_pipeline(tmp_path: Path) -> None:
+    config = str(TUTORIALS / "ds_config_pipeline.json")
     out = _launch("pipeline_alexnet.py", "--deepspeed_config", config, "-s", "10",
                   "--pipeline-parallel-size", "0", cwd=tmp_path)  # fmt: skip
     assert "step 10: loss" in out
 
 
-def test_bert_mlm_tutorial_saves_and_resumes(tmp_path: Path) -> None:
+def _bert_first_run(tmp_path: Path) -> list[str]:
+    """4 steps and a checkpoint; returns the arguments a resuming run shares."""
     config = str(TUTORIALS / "ds_config_bert.json")
     ckpt = tmp_path / "ckpt"
     common = ["--deepspeed", "--deepspeed_config", config, "--output-dir", str(ckpt)]
     first = _launch("bert_mlm.py", *common, "--steps", "4", cwd=tmp_path)
     assert "after 4 steps" in first
+    assert (ckpt / "latest").exists()
+    return common
+
+
+def test_bert_mlm_tutorial_trains_and_saves(tmp_path: Path) -> None:
+    _bert_first_run(tmp_path)
+
+
+# Suite time: in make test, client_state round-trips through a ZeRO-2 checkpoint in
+# test_checkpoint_client_scalars.py, and fresh processes resume exactly in
+# test_checkpoint_fresh.py (ZeRO 0-3) and test_lightning.py (ZeRO 3)
+@pytest.mark.slow
+def test_bert_mlm_tutorial_saves_and_resumes(tmp_path: Path) -> None:
+    common = _bert_first_run(tmp_path)
     second = _launch("bert_mlm.py", *common, "--steps", "6", "--resume", cwd=tmp_path)
     assert "after 6 steps" in second  # resumed at step 4 from the checkpoint's client_state
-    assert (ckpt / "latest").exists()
 
 
 def _cifar10_args(top_k: int) -> list[str]:
@@ -78,12 +107,13 @@ def _cifar10_args(top_k: int) -> list[str]:
 
 
 @functools.cache
-def _cifar10_losses_ours(top_k: int) -> list[float]:
-    """ShardSpeed's losses (once: both variants compare with them)."""
+def _cifar10_ours(top_k: int) -> tuple[list[float], str]:
+    """ShardSpeed's losses and the launcher's stdout (once per session: both loss variants
+    and ``test_cifar10_tutorial`` use them)."""
     with tempfile.TemporaryDirectory(prefix=f"cifar10_top{top_k}_") as workdir:
-        _launch("cifar10_deepspeed.py", *_cifar10_args(top_k), "--dump-losses", "ours.json",
-                cwd=Path(workdir))  # fmt: skip
-        return json.loads((Path(workdir) / "ours.json").read_text())
+        out = _launch("cifar10_deepspeed.py", *_cifar10_args(top_k), "--dump-losses",
+                      "ours.json", cwd=Path(workdir))  # fmt: skip
+        return json.loads((Path(workdir) / "ours.json").read_text()), out
 
 
 def _cifar10_losses_deepspeed(top_k: int, workdir: Path) -> dict:
@@ -99,7 +129,7 @@ def test_cifar10_tutorial_losses_match_deepspeed(source: str, top_k: int, tmp_pa
         source, "tutorials", f"cifar10_top{top_k}_z2.json",
         lambda: _cifar10_losses_deepspeed(top_k, tmp_path),
     )["losses"]  # fmt: skip
-    ours = _cifar10_losses_ours(top_k)
+    ours = _cifar10_ours(top_k)[0]
     assert len(ours) == len(theirs) == 12
     worst = max(abs(a - b) for a, b in zip(ours, theirs))
     assert worst <= 1e-6, f"ours {ours}\nDeepSpeed {theirs}"

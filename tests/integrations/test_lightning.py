@@ -11,7 +11,8 @@ One 2-rank training run per stage (a module-scoped fixture) feeds three tests:
 ``test_lightning_trains_like_plain_pytorch``: losses equal a plain PyTorch replay and
 DeepSpeed 0.19.8's (``tests/goldens/frameworks/lightning_*.json``) within rtol 1e-5, atol
 1e-6. ``test_lightning_resumes_from_its_checkpoint``: a second 2-rank run resumes from
-``epoch0.ckpt`` and sees epoch 1's batches and losses again.
+``epoch0.ckpt`` and sees epoch 1's batches and losses again (at ZeRO 3; ZeRO 2 in
+``make test-slow``).
 ``test_lightning_fp32_conversion``: the run's checkpoints hold DeepSpeed's
 ``*_optim_states.pt`` files too (``checkpoint.layout`` "auto" under the compatibility
 distribution), and
@@ -61,6 +62,11 @@ def test_lightning_trains_like_plain_pytorch(lightning_run: tuple[str, Path, lis
     check_golden(f"lightning_{variant}", results)
 
 
+# Suite time: the resume at ZeRO 2 runs in make test-slow; ZeRO 3 (the same Lightning resume
+# path, with sharded parameters to load back) stays in make test
+@pytest.mark.parametrize(
+    "lightning_run", [pytest.param("z2", marks=pytest.mark.slow), "z3"], indirect=True
+)
 def test_lightning_resumes_from_its_checkpoint(
     lightning_run: tuple[str, Path, list[dict]],
     run_worker: Callable[..., dict[str, Any]],

@@ -115,6 +115,9 @@ print(json.dumps({"engine": type(trainer.model_wrapped).__name__, "loss": loss})
 """
 
 
+# Suite time: tests/integrations/test_hf_trainer.py (z3_ds_opt) runs the Trainer at ZeRO 3 with
+# "auto" values through the same installed distribution in make test, and checks more
+@pytest.mark.slow
 def test_hf_trainer_zero3_runs_on_the_compat_distribution(tmp_path: Path) -> None:
     """Smoke test: Trainer(deepspeed=ds_config with "auto" values) trains and saves through
     shardspeed (loss parity with plain PyTorch is the integration tests' job)."""

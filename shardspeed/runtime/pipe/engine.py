@@ -16,6 +16,7 @@ resharded after each pass (``pipeline.reshard_after_forward``, :mod:`~.zero_resi
 DeepSpeed refuses ZeRO-2/3 with pipeline parallelism; here they need nothing beyond the
 reduction being deferred to the end of the batch, which every stage already does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
