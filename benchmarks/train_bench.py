@@ -11,9 +11,16 @@ Every row trains the same model (same seed), on the same token stream, with the 
 hyper-parameters and gradient clipping 1.0. The loss at step 1 must agree across rows; the
 script prints the largest difference as a check that the workloads are identical.
 
+``--baseline-root DIR`` adds a row per stage that runs shardspeed from another checkout
+(``shardspeed@base``, e.g. a ``git worktree`` of the last commit) in the same interleaved
+rounds, so a change is measured before/after under the same load, with both ratios to
+DeepSpeed and their ratio to each other.
+
 Usage:
     .venv-peers/bin/python benchmarks/train_bench.py --steps 10 --warmup 3
     python benchmarks/train_bench.py --engines torch,shardspeed --stages 0,3 --json-out r.json
+    git worktree add /tmp/ss-main HEAD && .venv-peers/bin/python benchmarks/train_bench.py \
+        --preset 21m --engines deepspeed,shardspeed --stages 0 --baseline-root /tmp/ss-main
 """
 
 from __future__ import annotations
@@ -78,6 +85,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="launch every row this many times, interleaved; step times are pooled",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    p.add_argument(
+        "--baseline-root",
+        type=Path,
+        default=None,
+        help="another shardspeed checkout: its rows (shardspeed@base) run beside this one's",
+    )
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="one launch per round running every row, stepped in turn (robust to a "
+        "changing load; no memory columns): see trainbench/paired.py",
+    )
     p.add_argument("--json-out", type=Path, default=None, help="write every result here")
     p.add_argument("--log-dir", type=Path, default=REPO_ROOT / "runs" / "train_bench")
     p.add_argument("--markdown", action="store_true", help="print tables as markdown")
@@ -89,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     p.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--paired-rows", default=None, help=argparse.SUPPRESS)
     known, _ = p.parse_known_args(argv)
     if known.preset:
         p.set_defaults(**PRESETS[known.preset])
@@ -102,9 +122,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def plan_rows(engines: list[str], stages: list[int]) -> list[tuple[str, int]]:
-    """(engine, stage) launches in table order: per stage, torch peer, DeepSpeed, shardspeed."""
-    from trainbench.engines import TORCH_STAGE_ENGINES
+def plan_rows(
+    engines: list[str], stages: list[int], baseline: bool = False
+) -> list[tuple[str, int]]:
+    """(engine, stage) launches in table order: per stage, torch peer, DeepSpeed, shardspeed
+    (and, with ``baseline``, shardspeed from the baseline checkout)."""
+    from trainbench.engines import BASELINE, TORCH_STAGE_ENGINES
 
     rows: list[tuple[str, int]] = []
     for stage in stages:
@@ -114,6 +137,8 @@ def plan_rows(engines: list[str], stages: list[int]) -> list[tuple[str, int]]:
             rows.append(("deepspeed", stage))
         if "shardspeed" in engines:
             rows.append(("shardspeed", stage))
+            if baseline:
+                rows.append((BASELINE, stage))
     return rows
 
 
@@ -121,19 +146,25 @@ def launch_row(
     args: argparse.Namespace, engine: str, stage: int, python: str, nproc: int
 ) -> dict[str, Any]:
     """Run one (engine, stage) launch and return its result object."""
-    from trainbench.engines import row_label
+    from trainbench.engines import BASELINE, row_label
 
+    root = args.baseline_root if engine == BASELINE else None
+    worker_engine = "shardspeed" if engine == BASELINE else engine
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd += [str(Path(__file__).resolve()), "--worker", "--engine", engine, "--stage", str(stage)]
-    cmd += ["--device", args.device, *workload_argv(Workload.from_args(args))]
-    log = args.log_dir / f"{engine}_z{stage}.log"
-    return launch_child(
-        cmd, args, log, {"engine": engine, "stage": stage, "label": row_label(engine, stage)}
-    )
+    cmd += [str(Path(__file__).resolve()), "--worker", "--engine", worker_engine]
+    cmd += ["--stage", str(stage), "--device", args.device]
+    cmd += workload_argv(Workload.from_args(args))
+    log = args.log_dir / f"{engine.replace('@', '_')}_z{stage}.log"
+    base = {"engine": engine, "stage": stage, "label": row_label(engine, stage)}
+    return launch_child(cmd, args, log, base, import_root=root)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.worker and args.paired_rows:
+        from trainbench.paired import paired_worker_main
+
+        return paired_worker_main(args)
     if args.worker:
         from trainbench.worker import worker_main
 
@@ -148,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     if any(s not in (0, 1, 2, 3) for s in stages):
         raise SystemExit(f"--stages={args.stages!r}: stages must be in 0,1,2,3")
+    if args.paired and args.baseline_root is not None:
+        raise SystemExit(
+            "--paired runs every row in one process, which cannot import two shardspeed "
+            "checkouts; drop --baseline-root or --paired"
+        )
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0:
         raise SystemExit("--rounds and --steps must be >= 1 and --warmup >= 0")
     nproc = args.nproc or (2 if args.device == "cpu" else _cuda_count())
@@ -155,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     peers = args.peers_python or (str(peers_python()) if peers_python() else None)
 
     skip: dict[str, str] = {}
+    if args.baseline_root is not None and not (args.baseline_root / "shardspeed").is_dir():
+        raise SystemExit(
+            f"--baseline-root {args.baseline_root}: no shardspeed/ package there; give the "
+            "root of another checkout (e.g. `git worktree add /tmp/ss-main HEAD`)"
+        )
     if "deepspeed" in engines and peers is None:
         skip["deepspeed"] = "deepspeed: .venv-peers missing (run `make bench-peers`)"
     if "shardspeed" in engines:
@@ -167,14 +208,20 @@ def main(argv: list[str] | None = None) -> int:
         prewarm_deepspeed(peers, args.ds_optimizer, args.timeout)
 
     header = bench_header(args, nproc, torch_python, peers)
-    rows = plan_rows(engines, stages)
+    rows = plan_rows(engines, stages, baseline=args.baseline_root is not None)
 
     def launch(row: tuple[str, int]) -> dict[str, Any]:
         python = peers if row[0] == "deepspeed" else torch_python
         return launch_row(args, row[0], row[1], python, nproc)
 
     ran = [row for row in rows if row[0] not in skip]
-    runs = run_interleaved(ran, args.rounds, launch, desc="train_bench")
+    if args.paired:
+        from trainbench.paired import launch_paired
+
+        python = peers if any(r[0] == "deepspeed" for r in ran) else torch_python
+        runs = launch_paired(args, ran, python, nproc, str(Path(__file__).resolve()))
+    else:
+        runs = run_interleaved(ran, args.rounds, launch, desc="train_bench")
     header["loadavg_end"] = list(os.getloadavg())
     results = [
         merge_rounds(runs[row]) if runs.get(row) else _unavailable(*row, skip[row[0]])

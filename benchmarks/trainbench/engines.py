@@ -31,6 +31,9 @@ class EngineRow:
     stage: int
 
 
+# Engine name of the rows that run shardspeed from ``train_bench.py --baseline-root``.
+BASELINE = "shardspeed@base"
+
 # Stage each torch engine stands in for (DDP replicates; FSDP2's reshard knob picks 2 vs 3).
 TORCH_STAGE_ENGINES: dict[int, tuple[str, str]] = {
     0: ("ddp", "DDP"),
@@ -43,7 +46,8 @@ def row_label(engine: str, stage: int) -> str:
     """Human-readable name of a row, e.g. ``DeepSpeed Z2`` or ``FSDP2 reshard=True``."""
     if engine in ("ddp", "fsdp2"):
         return TORCH_STAGE_ENGINES[stage][1]
-    return {"deepspeed": "DeepSpeed", "shardspeed": "shardspeed"}[engine] + f" Z{stage}"
+    names = {"deepspeed": "DeepSpeed", "shardspeed": "shardspeed", BASELINE: BASELINE}
+    return names[engine] + f" Z{stage}"
 
 
 def _autocast(workload: Workload, device: torch.device) -> contextlib.AbstractContextManager:

@@ -10,6 +10,7 @@ import argparse
 import datetime as _dt
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
@@ -63,13 +64,26 @@ def workload_argv(workload: Workload) -> list[str]:
 
 
 def launch_child(
-    cmd: list[str], args: argparse.Namespace, log: Path, base: dict[str, Any]
+    cmd: list[str],
+    args: argparse.Namespace,
+    log: Path,
+    base: dict[str, Any],
+    import_root: Path | None = None,
 ) -> dict[str, Any]:
-    """Run one ``torch.distributed.run`` launch; its result (or the failure) on top of ``base``."""
-    code, results, tail = run_child(cmd, child_env(args.threads, args.device), args.timeout, log)
+    """Run one ``torch.distributed.run`` launch; its result (or the failure) on top of ``base``.
+
+    ``import_root``: another checkout whose ``shardspeed`` the child imports (put first on
+    its ``PYTHONPATH``); the worker and the workload stay this checkout's. The result keeps
+    ``base``'s ``engine`` and ``label`` (the worker only knows it ran "shardspeed").
+    """
+    env = child_env(args.threads, args.device)
+    if import_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(import_root), env["PYTHONPATH"]])
+    code, results, tail = run_child(cmd, env, args.timeout, log)
     base = {**base, "log": str(log)}
     if results:
-        return {**base, **results[-1]}
+        names = {k: base[k] for k in ("engine", "label") if k in base and import_root is not None}
+        return {**base, **results[-1], **names}
     return {**base, "status": "error", "error": f"exit code {code}; log {log}\n{tail}"}
 
 
@@ -92,7 +106,20 @@ def bench_header(
             {torch_version(p) for p in {torch_python, peers} if p is not None}
         ),
         **_accelerator(args),
+        **_baseline(args),
+        **({"paired": True} if getattr(args, "paired", False) else {}),
     }
+
+
+def _baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """The other checkout the ``shardspeed@base`` rows import, and its commit if it has one."""
+    root = getattr(args, "baseline_root", None)
+    if root is None:
+        return {}
+    head = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return {"baseline_root": str(root), "baseline_commit": head.stdout.strip() or None}
 
 
 def _accelerator(args: argparse.Namespace) -> dict[str, Any]:

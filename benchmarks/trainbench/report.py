@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from _bench_common import ratio, render_table
 
+from trainbench.engines import BASELINE, row_label
 from trainbench.workload import flops_per_token
 
 # For each stage: the peers shardspeed is compared with, as (engine, stage) keys.
@@ -23,6 +25,15 @@ def _ok(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
 
 def _max(values: list[float] | None) -> float | None:
     return max(values) if values else None
+
+
+def _cpu_ms(r: dict[str, Any]) -> float | None:
+    """Median CPU time per step of a ``--paired`` row (None for a normal row)."""
+    return statistics.median(r["cpu_ms"]) if r.get("cpu_ms") else None
+
+
+def _with_cpu(results: list[dict[str, Any]]) -> bool:
+    return any(r.get("cpu_ms") for r in results if r.get("status") == "ok")
 
 
 def timing_cells(r: dict[str, Any]) -> list[Any]:
@@ -52,6 +63,8 @@ def results_table(
     headers = ["engine", "stage", "median ms", "p90 ms", "min ms", "tok/s", "peak MiB/rank"]
     headers += ["+MiB/rank", "init s", "loss@1", "loss@end", "time / DDP"]
     headers += ["MFU"] if with_mfu else []
+    with_cpu = _with_cpu(results)
+    headers += ["CPU ms"] if with_cpu else []
     rows = []
     for r in results:
         if r.get("status") != "ok":
@@ -68,63 +81,59 @@ def results_table(
                 f"{r['loss_final']:.5f}",
                 ratio(r["median_ms"], ddp["median_ms"]) if ddp else None,
                 *([mfu(r, header or {})] if with_mfu else []),
+                *([_cpu_ms(r)] if with_cpu else []),
             ]
         )
     return render_table(headers, rows, markdown)
 
 
+def _ratio_cells(mine: dict[str, Any], peer: dict[str, Any], with_cpu: bool) -> list[Any]:
+    """time / p90 / min / peak-memory / added-memory ratios, the final loss gap and (for
+    ``--paired`` rows) the CPU-time ratio."""
+    cells = [
+        ratio(mine["median_ms"], peer["median_ms"]),
+        ratio(mine["p90_ms"], peer["p90_ms"]),
+        ratio(mine["min_ms"], peer["min_ms"]),
+        ratio(_max(mine["peak_mem_mb_per_rank"]), _max(peer["peak_mem_mb_per_rank"])),
+        ratio(_max(mine["peak_mem_delta_mb_per_rank"]), _max(peer["peak_mem_delta_mb_per_rank"])),
+        f"{abs(mine['loss_final'] - peer['loss_final']):.2e}",
+    ]
+    return cells + ([ratio(_cpu_ms(mine), _cpu_ms(peer))] if with_cpu else [])
+
+
 def ratio_table(results: list[dict[str, Any]], markdown: bool) -> str:
-    """shardspeed / peer for each stage pairing (time: < 1 is faster; memory: < 1 is smaller)."""
+    """shardspeed / peer for each stage pairing (time: < 1 is faster; memory: < 1 is smaller);
+    with ``--baseline-root`` rows, the baseline / peer and shardspeed / baseline too."""
     ok = _ok(results)
     headers = ["pairing", "time ratio", "p90 ratio", "min ratio", "peak mem ratio", "+mem ratio"]
     headers += ["abs dloss@end"]
+    with_cpu = _with_cpu(results)
+    headers += ["CPU ratio"] if with_cpu else []
+    missing = ["n/a", *["-"] * (len(headers) - 2)]
     rows = []
     stages = sorted({r["stage"] for r in results})
     planned = {(r["engine"], r["stage"]) for r in results}
     for stage in stages:
-        mine = ok.get(("shardspeed", stage))
-        for peer_key in PAIRINGS.get(stage, []) if ("shardspeed", stage) in planned else []:
-            peer = ok.get(peer_key)
-            if peer is None:
-                continue
-            name = f"shardspeed Z{stage} / {peer['label']}"
-            if mine is None:
-                rows.append([name, "n/a", "-", "-", "-", "-", "-"])
-                continue
-            rows.append(
-                [
-                    name,
-                    ratio(mine["median_ms"], peer["median_ms"]),
-                    ratio(mine["p90_ms"], peer["p90_ms"]),
-                    ratio(mine["min_ms"], peer["min_ms"]),
-                    ratio(_max(mine["peak_mem_mb_per_rank"]), _max(peer["peak_mem_mb_per_rank"])),
-                    ratio(
-                        _max(mine["peak_mem_delta_mb_per_rank"]),
-                        _max(peer["peak_mem_delta_mb_per_rank"]),
-                    ),
-                    f"{abs(mine['loss_final'] - peer['loss_final']):.2e}",
-                ]
-            )
+        for engine in ("shardspeed", BASELINE):
+            mine = ok.get((engine, stage))
+            for peer_key in PAIRINGS.get(stage, []) if (engine, stage) in planned else []:
+                peer = ok.get(peer_key)
+                if peer is None:
+                    continue
+                name = f"{row_label(engine, stage)} / {peer['label']}"
+                if mine is None:
+                    rows.append([name, *missing])
+                    continue
+                rows.append([name, *_ratio_cells(mine, peer, with_cpu)])
+        mine, base = ok.get(("shardspeed", stage)), ok.get((BASELINE, stage))
+        if mine is not None and base is not None:
+            rows.append([f"{mine['label']} / {base['label']}", *_ratio_cells(mine, base, with_cpu)])
         # Peer against peer (DeepSpeed / torch), useful while shardspeed rows are missing.
         torch_peer = next((ok.get(k) for k in PAIRINGS.get(stage, []) if k[0] != "deepspeed"), None)
         ds = ok.get(("deepspeed", stage))
         if torch_peer is not None and ds is not None:
-            rows.append(
-                [
-                    f"{ds['label']} / {torch_peer['label']}",
-                    ratio(ds["median_ms"], torch_peer["median_ms"]),
-                    ratio(ds["p90_ms"], torch_peer["p90_ms"]),
-                    ratio(ds["min_ms"], torch_peer["min_ms"]),
-                    ratio(
-                        _max(ds["peak_mem_mb_per_rank"]), _max(torch_peer["peak_mem_mb_per_rank"])
-                    ),
-                    ratio(
-                        _max(ds["peak_mem_delta_mb_per_rank"]),
-                        _max(torch_peer["peak_mem_delta_mb_per_rank"]),
-                    ),
-                    f"{abs(ds['loss_final'] - torch_peer['loss_final']):.2e}",
-                ]
-            )
+            name = f"{ds['label']} / {torch_peer['label']}"
+            rows.append([name, *_ratio_cells(ds, torch_peer, with_cpu)])
     return render_table(headers, rows, markdown)
 
 
@@ -156,6 +165,13 @@ def print_run_header(header: dict[str, Any]) -> None:
     load = header.get("loadavg_start"), header.get("loadavg_end")
     if all(load):
         print(f"1-min load average: {load[0][0]:.2f} at start, {load[1][0]:.2f} at end")
+    if header.get("paired"):
+        print("paired: every row in one launch per round, the rows stepped in turn")
+    if header.get("baseline_root"):
+        print(
+            f"{BASELINE} rows: shardspeed from {header['baseline_root']} "
+            f"(commit {header.get('baseline_commit') or 'unknown'})"
+        )
     if len(header["torch_versions"]) > 1:
         print("WARNING: rows ran on different torch builds; compare with care.")
 

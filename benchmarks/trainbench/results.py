@@ -33,6 +33,8 @@ def merge_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     stats = summarize_times([t / 1e3 for t in times_ms])
     merged.update(stats)
     merged["step_times_ms"] = times_ms
+    if all("cpu_ms" in r for r in ok):  # --paired rows: CPU time per step too
+        merged["cpu_ms"] = [t for r in ok for t in r["cpu_ms"]]
     merged["tokens_per_s"] = ok[0]["tokens_per_s"] * ok[0]["median_ms"] / stats["median_ms"]
     merged["round_median_ms"] = [r["median_ms"] for r in ok]
     merged["init_s"] = statistics.median(r["init_s"] for r in ok)

@@ -70,6 +70,17 @@ class Workload:
 # Named model sizes (``--preset``); explicit flags still override them.
 PRESETS: dict[str, dict[str, int]] = {
     "small": {},  # the Workload defaults (about 3.3M parameters)
+    # about 21M parameters (16.9M unique: the LM head is tied to the embedding, counted
+    # twice as in the 117m name): a CPU size where the gradient all-reduce is a visible part
+    # of the step, so overlapping it with backward shows
+    "21m": {
+        "n_layer": 4,
+        "n_embd": 512,
+        "n_head": 8,
+        "vocab_size": 8192,
+        "block_size": 128,
+        "micro_batch": 4,
+    },  # fmt: skip
     # about 117M parameters: the issue-13 speed check at a size where compute dominates
     "117m": {
         "n_layer": 8,
@@ -124,8 +135,9 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload | None
             "--preset",
             choices=sorted(PRESETS),
             default=None,
-            help="a named model size (117m: 8 layers, width 1024, vocab 8192, seq 128, "
-            "micro 4; 1b: 20 layers, width 2048, vocab 50304, seq 1024, micro 8)",
+            help="a named model size (21m: 4 layers, width 512, vocab 8192, seq 128, micro 4; "
+            "117m: 8 layers, width 1024, vocab 8192, seq 128, micro 4; 1b: 20 layers, width "
+            "2048, vocab 50304, seq 1024, micro 8)",
         )
     g.add_argument("--n-layer", type=int, default=d.n_layer)
     g.add_argument("--n-embd", type=int, default=d.n_embd)

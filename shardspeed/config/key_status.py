@@ -250,6 +250,7 @@ KEY_STATUS: dict[str, KeyRule] = {
         "zero_optimization.stage",
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.overlap_comm",
+        "zero_optimization.overlap_bucket_size",
         "zero_optimization.offload_param.device",
         "zero_optimization.offload_param.nvme_path",
         "zero_optimization.offload_param.pin_memory",

@@ -18,6 +18,9 @@ from pydantic import BeforeValidator, Field, field_validator, model_validator
 from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain, lower_str
 from shardspeed.utils.logging import warning_once
 
+# Default zero_optimization.overlap_bucket_size, in elements (see the field).
+OVERLAP_BUCKET_SIZE = 6_553_600  # 25 MiB of fp32 gradients, DDP's bucket_cap_mb
+
 OffloadDevice = Annotated[Literal["none", "cpu", "nvme"], BeforeValidator(lower_str)]
 
 
@@ -171,6 +174,18 @@ class ZeroConfig(ConfigModel):
         description="Launch each gradient bucket's reduction during backward, as soon as it "
         "is ready. True at every stage by default (DeepSpeed: only at stage 3) because it only "
         'changes when collectives start, never the result; "auto" or null mean true.',
+    )
+    overlap_bucket_size: Int = Field(
+        OVERLAP_BUCKET_SIZE,
+        ge=0,
+        description="ShardSpeed option (not a DeepSpeed key). Elements per gradient "
+        "collective launched during backward when overlap_comm is on: each reduce bucket is "
+        "all-reduced in contiguous parts of about this size as their gradients become ready "
+        "(DDP's bucket_cap_mb; the first part is 1/25 of it, as DDP's 1 MB first bucket). "
+        "Applies at stage 0, and at stages 1/2 where the backend reduces with an all-reduce "
+        "(gloo) and the optimizer is not offloaded. reduce_bucket_size still sets the buckets "
+        "the masters, optimizer state and reduce-scatters are laid out in, so checkpoints do "
+        "not depend on this value. 0 reduces whole reduce buckets.",
     )
     load_from_fp32_weights: bool = Field(
         True, description="Initialise fp32 master weights from the checkpoint's fp32 copy."

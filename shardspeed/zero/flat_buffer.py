@@ -29,7 +29,14 @@ import torch
 import torch.nn as nn
 
 from shardspeed.zero.offload.host import copy_to_host
-from shardspeed.zero.partition import BucketSpec, FlatLayout, build_layout
+from shardspeed.zero.partition import (
+    BucketSpec,
+    CommSpan,
+    FlatLayout,
+    build_layout,
+    intersect,
+    split_for_overlap,
+)
 
 if TYPE_CHECKING:
     from shardspeed.zero.offload import OffloadRuntime
@@ -113,9 +120,10 @@ class FlatGroup:
     def bucket_params(self, bucket: BucketSpec) -> torch.Tensor:
         return self.flat_param[bucket.start : bucket.end]
 
-    def bucket_grads(self, bucket: BucketSpec) -> torch.Tensor:
+    def span_grads(self, span: CommSpan | BucketSpec) -> torch.Tensor:
+        """``flat_grad`` over a bucket or a part of one (stages 0/1)."""
         assert self.flat_grad is not None
-        return self.flat_grad[bucket.start : bucket.end]
+        return self.flat_grad[span.start : span.end]
 
     def grad_view(self, param_index: int) -> torch.Tensor:
         assert self.flat_grad is not None
@@ -181,18 +189,19 @@ class FlatGroup:
             self.param_shard(self.buckets[index]).copy_(self.masters[index])
 
     @torch.no_grad()
-    def pack_bucket_grads(self, bucket: BucketSpec, out: torch.Tensor) -> None:
-        """Copy the bucket's ``param.grad`` tensors into ``out`` (zeros where absent)."""
+    def pack_grads(self, span: CommSpan | BucketSpec, out: torch.Tensor) -> None:
+        """Copy the ``param.grad`` tensors of ``span`` (a bucket or a part of one) into
+        ``out``, ``(span.numel,)`` (zeros where absent)."""
         out.zero_()
-        for idx in bucket.param_indices:
+        for idx in span.param_indices:
             slot = self.layout.slots[idx]
             grad = self.params[idx].grad
             if grad is not None:
-                lo = slot.offset - bucket.start
+                lo = slot.offset - span.start
                 out[lo : lo + slot.numel].copy_(grad.reshape(-1))
 
-    def release_bucket_grads(self, bucket: BucketSpec) -> None:
-        for idx in bucket.param_indices:
+    def release_grads(self, span: CommSpan | BucketSpec) -> None:
+        for idx in span.param_indices:
             self.params[idx].grad = None
 
     def layouts(self) -> Iterator[tuple[FlatLayout, int, list[nn.Parameter], list, int]]:
@@ -203,9 +212,24 @@ class FlatGroup:
         """Bucket ``index``'s parameters are whole on this rank (always, at stages 0-2)."""
         return True
 
-    def grad_slots(self, group_index: int) -> list[FlatBucket]:
-        """One reducer slot per bucket (see :class:`shardspeed.zero.reducer.GradSlot`)."""
-        return [FlatBucket(self, b, group_index) for b in self.buckets]
+    def grad_slots(
+        self, group_index: int, span_size: int = 0, first_span_size: int = 0
+    ) -> list[FlatBucket]:
+        """The reducer's slots (see :class:`shardspeed.zero.reducer.GradSlot`): one per
+        bucket, or with ``span_size`` > 0 one per comm span of about that many elements
+        (:func:`~shardspeed.zero.partition.split_for_overlap`; the first closes at
+        ``first_span_size``), so reductions start while backward runs. Spans smaller than
+        a bucket are all-reduced: callers split only where the collective is an all-reduce
+        anyway (stage 0, or a backend that scatters via all-reduce) and never with
+        optimizer offload, whose host copies go per bucket."""
+        if span_size <= 0:
+            spans = [
+                CommSpan(b.index, b.index, b.start, b.end, b.param_indices) for b in self.buckets
+            ]
+        else:
+            assert not self.host_grads, "offloaded gradients are streamed per whole bucket"
+            spans = split_for_overlap(self.layout, span_size, first_span_size or span_size)
+        return [FlatBucket(self, span, group_index) for span in spans]
 
     def accumulate_grad(self, param_index: int) -> None:
         """Grad hook, stages 0/1: make sure ``param.grad`` landed in the flat buffer.
@@ -247,46 +271,68 @@ class FlatGroup:
 
 
 class FlatBucket:
-    """One bucket of a :class:`FlatGroup` as a reducer slot."""
+    """One comm span of a :class:`FlatGroup` (a whole bucket, or a part of one) as a
+    reducer slot.
 
-    def __init__(self, group: FlatGroup, bucket: BucketSpec, group_index: int) -> None:
+    A whole bucket of a sharded group is reduce-scattered (or all-reduced and sliced) and
+    keeps this rank's slice. A part of a bucket has no rank slice of its own, so it reports
+    no ``owned_range`` (the reduction is an all-reduce) and keeps its overlap with this
+    rank's slice itself in :meth:`store`.
+    """
+
+    def __init__(self, group: FlatGroup, span: CommSpan, group_index: int) -> None:
         self.group = group
-        self.bucket = bucket
-        self.params = [group.params[i] for i in bucket.param_indices]
-        self._index = {id(p): i for p, i in zip(self.params, bucket.param_indices)}
-        self.streams_to_host = bool(group.host_grads)
+        self.span = span
+        self.bucket = group.buckets[span.bucket_index]
+        self.params = [group.params[i] for i in span.param_indices]
+        self._index = {id(p): i for p, i in zip(self.params, span.param_indices)}
+        self.whole = (span.start, span.end) == (self.bucket.start, self.bucket.end)
+        self.streams_to_host = bool(group.host_grads) and self.whole
         self.group_index = group_index
-        self.label = f"group {group_index} bucket {bucket.index}"
+        self.label = f"group {group_index} bucket {self.bucket.index}"
+        if not self.whole:
+            self.label += f" span {span.index}"
         self._sharded = group.layout.shard_world_size > 1
+        # this rank's absolute [lo, hi) of the bucket (the whole bucket when unsharded)
+        self._owned = self.bucket.shard_range(group.shard_rank)
 
     def describe(self) -> str:
         return self.label
 
     def owned_range(self) -> tuple[int, int] | None:
-        if not self._sharded:
+        if not (self._sharded and self.whole):
             return None
-        lo, hi = self.bucket.shard_range(self.group.shard_rank)
-        return lo - self.bucket.start, hi - self.bucket.start
+        lo, hi = self._owned
+        return lo - self.span.start, hi - self.span.start
 
     def on_grad(self, param: nn.Parameter) -> None:
         self.group.accumulate_grad(self._index[id(param)])
 
     def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
-        group, bucket = self.group, self.bucket
+        group, span = self.group, self.span
         if group.flat_grad is not None:  # stages 0/1: reduce the full buffer in place
-            src = group.bucket_grads(bucket)
+            src = group.span_grads(span)
             return src if src.dtype == dtype else src.to(dtype)
-        buf = torch.empty(bucket.numel, dtype=dtype, device=group.device)
-        group.pack_bucket_grads(bucket, buf)
-        group.release_bucket_grads(bucket)
+        buf = torch.empty(span.numel, dtype=dtype, device=group.device)  # (span.numel,)
+        group.pack_grads(span, buf)
+        group.release_grads(span)
         return buf
 
     def store(self, reduced: torch.Tensor) -> None:
-        dst = self.group.shard_grad(self.bucket)
-        if self.group.flat_grad is None:  # stage 2: accumulate across micro-steps
-            dst.add_(reduced)
-        elif dst.data_ptr() != reduced.data_ptr():
-            dst.copy_(reduced)
+        # reduced: this rank's slice when owned_range() is given, else the whole span
+        lo, hi = self._owned if self.owned_range() is not None else (self.span.start, self.span.end)
+        group = self.group
+        if group.flat_grad is not None:  # stages 0/1: the reduced gradients stay in place
+            dst = group.flat_grad[lo:hi]
+            if dst.data_ptr() != reduced.data_ptr():
+                dst.copy_(reduced)
+            return
+        # stage 2: accumulate this rank's part across micro-steps
+        hit = intersect((lo, hi), self._owned)
+        if hit is not None:
+            own_lo = self._owned[0]
+            dst = group.shard_grads[self.bucket.index][hit[0] - own_lo : hit[1] - own_lo]
+            dst.add_(reduced[hit[0] - lo : hit[1] - lo])
 
     def stage_host_grad(self) -> None:
         self.group.stage_host_grad(self.bucket)

@@ -56,7 +56,7 @@ class BucketedReduction:
         self.world_size = world_size
         # expert gradients: summed over expert_data, averaged over every data rank
         self.average_over = world_size if average_over is None else average_over
-        self.scatter_via_all_reduce = backend_of(group) == "gloo"
+        self.scatter_via_all_reduce = scatters_via_all_reduce(group)
 
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
         if self.world_size == 1:
@@ -81,6 +81,13 @@ class LocalGradients:
 
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
         return Launched(buf, None, full=True)
+
+
+def scatters_via_all_reduce(group: object | None) -> bool:
+    """Whether :class:`BucketedReduction` all-reduces even where a rank keeps only a slice
+    (gloo, see its docstring). Where it does, a bucket's gradients may be reduced in any
+    contiguous parts (:meth:`shardspeed.zero.flat_buffer.FlatGroup.grad_slots`)."""
+    return backend_of(group) == "gloo"
 
 
 def backend_of(group: object | None) -> str:

@@ -13,6 +13,14 @@ Each bucket's padded size is a multiple of ``shard_world_size * alignment`` so i
 reduce-scattered and all-gathered on its own; rank ``r`` owns slice ``r`` of every bucket.
 Parameters are placed in reverse registration order because autograd produces gradients
 roughly in reverse, so bucket 0 fills first during backward.
+
+A bucket is also the unit of the masters and the optimizer state. The gradients of one
+bucket may be reduced in several smaller collectives launched while backward still runs
+(:func:`split_for_overlap`): contiguous *comm spans* that tile the bucket, each closed
+when it holds about ``span_size`` elements, so the layout (and every checkpoint) does not
+depend on how the gradients travel::
+
+    bucket b:     | span 0 (first small) | span 1           | span 2  (+ padding) |
 """
 
 from __future__ import annotations
@@ -158,3 +166,55 @@ def param_shard_fragments(layout: FlatLayout, rank: int) -> list[tuple[int, int,
         shard_offset = layout.shard_offset(bucket.index) + (hit[0] - owned[0])
         frags.append((slot.param_index, hit[0] - slot.offset, hit[1] - hit[0], shard_offset))
     return frags
+
+
+@dataclass(frozen=True)
+class CommSpan:
+    """A contiguous part of one bucket whose gradients are reduced by one collective."""
+
+    index: int  # launch rank within the group: spans of bucket 0 first
+    bucket_index: int  # the layout bucket it belongs to
+    start: int  # absolute offset in the flat buffer
+    end: int
+    param_indices: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def split_for_overlap(layout: FlatLayout, span_size: int, first_span_size: int) -> list[CommSpan]:
+    """Tile every bucket of ``layout`` with comm spans of about ``span_size`` elements.
+
+    Walks each bucket's parameters in layout order (reverse registration, the order their
+    gradients become ready) and closes a span once it holds at least its size; the
+    group's very first span closes at ``first_span_size`` instead, so the first collective
+    starts early in backward (DDP's small first bucket). A parameter larger than the size
+    gets a span of its own. Spans never cross a bucket boundary and together cover every
+    element of the flat buffer: a bucket's first span starts at the bucket's start and its
+    last span runs to the bucket's end (padding included). A bucket that fits in one span
+    gives exactly one span equal to the bucket.
+    """
+    if span_size < 1 or first_span_size < 1:
+        raise ValueError(
+            f"comm span sizes must be >= 1 element, got span_size={span_size}, "
+            f"first_span_size={first_span_size}"
+        )
+    spans: list[CommSpan] = []
+    for bucket in layout.buckets:
+        parts: list[list[int]] = []  # parameter indices of each span of this bucket
+        filled = 0  # elements in parts[-1]
+        for idx in bucket.param_indices:
+            group_first = not spans and len(parts) == 1
+            if not parts or filled >= (first_span_size if group_first else span_size):
+                parts.append([])
+                filled = 0
+            parts[-1].append(idx)
+            filled += layout.slots[idx].numel
+        if not parts:  # a bucket without parameters is still one span (its padding)
+            parts.append([])
+        starts = [bucket.start] + [layout.slots[part[0]].offset for part in parts[1:]]
+        ends = [*starts[1:], bucket.end]
+        for part, start, end in zip(parts, starts, ends):
+            spans.append(CommSpan(len(spans), bucket.index, start, end, tuple(part)))
+    return spans

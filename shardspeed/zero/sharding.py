@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.grad_reduction import scatters_via_all_reduce
 from shardspeed.zero.offload import OffloadRuntime
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 
@@ -90,11 +91,34 @@ class FlatSharding:
         return f"{sum(len(g.buckets) for g in self.groups)} buckets"
 
     def grad_slots(self) -> list[GradSlot]:
-        """Every bucket, the one holding the latest-registered parameters first (gradients
-        arrive roughly in reverse registration order)."""
-        slots = [s for i, g in enumerate(self.groups) for s in g.grad_slots(i)]
-        last = {id(s): max(s.bucket.param_indices, default=-1) for s in slots}
+        """Every bucket, or every comm span of it (:meth:`overlap_span_sizes`), the one
+        holding the latest-registered parameters first (gradients arrive roughly in reverse
+        registration order)."""
+        slots = [
+            s
+            for i, (g, axis) in enumerate(zip(self.groups, self.ctx.axes))
+            for s in g.grad_slots(i, *self.overlap_span_sizes(g, axis))
+        ]
+        last = {id(s): max(s.span.param_indices, default=-1) for s in slots}
         return sorted(slots, key=lambda s: -last[id(s)])
+
+    def overlap_span_sizes(self, group: FlatGroup, axis: ShardAxis) -> tuple[int, int]:
+        """(span, first span) elements per gradient collective for ``group``; (0, 0) keeps
+        one collective per bucket.
+
+        Buckets are split (DDP's bucketing: ``overlap_bucket_size`` parts, the first 1/25
+        of it) only where that cannot cost anything but the per-call latency: when
+        reductions overlap backward at all, the optimizer is not offloaded (host copies go
+        per bucket), and the bucket would be all-reduced anyway (stage 0, or a backend that
+        scatters via all-reduce; a reduce-scatter of a part would not give this rank its
+        slice).
+        """
+        size = int(self.ctx.zero.overlap_bucket_size)
+        if not self.ctx.overlap or size <= 0 or group.host_grads:
+            return 0, 0
+        if group.layout.shard_world_size > 1 and not scatters_via_all_reduce(axis.group):
+            return 0, 0
+        return size, max(size // 25, 1)
 
     def reduction_policy(self) -> ReductionPolicy:
         ctx = self.ctx
