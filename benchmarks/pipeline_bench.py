@@ -35,6 +35,7 @@ import gc
 import json
 import math
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -643,7 +644,8 @@ class Bench:
 
     def gpt(self) -> None:
         """The GPT on both engines, alternating launches; every ShardSpeed row runs in the
-        same launches (same load) as the 1F1B ZeRO-1 row it is compared with."""
+        same launches (same load) as the 1F1B ZeRO-1 row it is compared with, in an order
+        shuffled per round (seeded by the round) so no row always runs first or warmest."""
         args = self.args
         base = {
             "model": "gpt", "preset": args.preset, "pp": 2, "micro": args.gpt_micro,
@@ -661,7 +663,10 @@ class Bench:
         theirs: list[list[list[dict]]] = []
         refused: dict[int, str] = {}
         for r in range(args.gpt_rounds):
-            ours.append(launch(self.py_ours, "shardspeed", 2, cases))
+            order = list(range(len(cases)))
+            random.Random(r).shuffle(order)
+            got = launch(self.py_ours, "shardspeed", 2, [cases[i] for i in order])
+            ours.append([[rank[order.index(i)] for i in range(len(cases))] for rank in got])
             if self.deepspeed:
                 got = launch(self.py_ds, "deepspeed", 2, [base] + (probes if r == 0 else []))
                 theirs.append([rank[:1] for rank in got])

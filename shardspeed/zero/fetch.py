@@ -1,6 +1,6 @@
 """ZeRO-3 units and the coordinator that gathers them around use and releases them after.
 
-A *unit* is a module whose sharded parameters (its :class:`~shardspeed.zero.params.ShardedFlat`
+A *unit* is a module whose sharded parameters (its :class:`~shardspeed.zero.flat_buffer.FlatGroup`
 of each param group) are gathered and released together. The :class:`FetchCoordinator`
 installs the forward hooks that gather a unit before its forward (prefetching the next
 unit of the previous forward's order) and its backward, and release it after; the
@@ -9,12 +9,17 @@ unit of the previous forward's order) and its backward, and release it after; th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 
 from shardspeed import comm
 from shardspeed.zero.order_check import OrderCheck
-from shardspeed.zero.params import ShardedFlat, ZeroParamStatus
+from shardspeed.zero.params import ZeroParamStatus
+
+if TYPE_CHECKING:
+    from shardspeed.zero.flat_buffer import FlatGroup
 
 
 class Unit:
@@ -25,7 +30,7 @@ class Unit:
         self.name = name or "<root>"
         self.module = module
         self.is_root = is_root
-        self.flats: list[ShardedFlat] = []
+        self.flats: list[FlatGroup] = []
 
     @property
     def numel(self) -> int:

@@ -1,49 +1,69 @@
-"""Flat, padded parameter and gradient storage for one optimizer param group.
+"""The one flat, padded parameter / gradient / master storage of every ZeRO stage.
 
-Every trainable parameter of the group becomes a view into one flat buffer
-(``flat_param``), laid out by :func:`shardspeed.zero.partition.build_layout`. The
-gradient storage depends on the sharding stage:
+A :class:`FlatGroup` packs a list of parameters (one optimizer param group at stages 0-2;
+one module unit of one param group at stage 3) into a flat buffer laid out by
+:func:`shardspeed.zero.partition.build_layout` in padded buckets, each sharded over
+``shard_world_size`` ranks. The stages differ by three policies, chosen at construction:
 
-* stages 0/1 keep a full flat gradient buffer. When gradients are kept in the parameter
-  dtype, ``param.grad`` is a view into it and autograd accumulates in place (no copy);
-  otherwise (fp32 accumulation of 16-bit gradients) a hook adds each gradient into it.
-* stage 2 keeps only this rank's slice of every bucket (``shard_grads``); full gradients
-  exist only transiently until their bucket is reduce-scattered.
+* **residency** (:mod:`shardspeed.zero.residency`): where the full parameter buffer lives.
+  Stages 0-2 keep it whole (parameters are permanent views into it); stage 3 keeps only
+  this rank's shard (on the device, in host memory or in an NVMe file) and gathers the
+  full buffer around use (``gathered=GatherSpec(...)``, one bucket per flat).
+* **gradient storage**: stages 0/1 keep a full flat gradient buffer (``flat_grad``; when
+  gradients are kept in the parameter dtype ``param.grad`` is a view into it and autograd
+  accumulates in place; otherwise a hook adds each gradient into it). Stages 2/3 keep
+  only this rank's slice of every bucket (``shard_grads``), accumulated over the
+  micro-steps; full gradients exist only until their bucket is reduce-scattered.
+* **masters**: the optimizer updates one *master* tensor per bucket, this rank's slice
+  in the master dtype. When the dtypes agree (and nothing is offloaded) the master *is*
+  the parameter slice (no copy). With optimizer offload (``offload`` given and
+  offloading) the masters are separate host tensors and each bucket has a host gradient
+  buffer (``host_grads``) that the reduced gradient slice is copied into for the step.
+  The reducer streams that copy (:meth:`FlatGroup.stage_host_grad`) as soon as a
+  bucket's last reduction of the accumulation window completes, while backward still
+  runs; the optimizer only copies the buckets that were not streamed.
 
-The optimizer updates one *master* tensor per bucket: this rank's slice of the bucket in
-fp32. For fp32 training the master *is* a view of ``flat_param`` (no copy). With
-optimizer offload (``offload`` given and offloading) the masters are separate host
-tensors and each bucket has a host gradient buffer (``host_grads``) that the reduced
-gradient slice is copied into for the step. The reducer streams that copy
-(:meth:`FlatGroup.stage_host_grad`) as soon as a bucket's last reduction of the
-accumulation window completes, while backward still runs; the optimizer only copies the
-buckets that were not streamed.
+The reducer sees a group through its slots (:mod:`shardspeed.zero.flat_slot`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 
+from shardspeed.zero.flat_slot import FlatBucket
+from shardspeed.zero.init_partition import full_shape, take_full_data
 from shardspeed.zero.offload.host import copy_to_host
+from shardspeed.zero.params import ZeroParamStatus
 from shardspeed.zero.partition import (
     BucketSpec,
     CommSpan,
     FlatLayout,
     build_layout,
-    intersect,
     split_for_overlap,
 )
+from shardspeed.zero.residency import GatheredResidency, WholeResidency
 
 if TYPE_CHECKING:
     from shardspeed.zero.offload import OffloadRuntime
 
 
+@dataclass(frozen=True)
+class GatherSpec:
+    """Stage 3: the flat is one module unit's parameters, sharded and gathered around use."""
+
+    dp_group: object | None
+    unit_id: int  # -1 for the persistent flat (small parameters kept gathered)
+    first_param_id: int  # ds_id of the first parameter
+    persistent: bool
+
+
 class FlatGroup:
-    """One optimizer param group packed into padded buckets, sharded over ``shard_world_size``."""
+    """Parameters packed into padded buckets, sharded over ``shard_world_size`` ranks."""
 
     def __init__(
         self,
@@ -58,29 +78,50 @@ class FlatGroup:
         full_grads: bool,
         device: torch.device,
         offload: OffloadRuntime | None = None,
+        gathered: GatherSpec | None = None,
     ) -> None:
         self.params = params
         self.offload = offload
         self.shard_rank = shard_rank
-        self.layout: FlatLayout = build_layout(
-            [p.numel() for p in params], bucket_size, shard_world_size
-        )
         self.param_dtype = param_dtype
         self.grad_dtype = grad_dtype
         self.device = device
+        self.unit_id = gathered.unit_id if gathered is not None else -1
+        self.persistent = gathered is None or gathered.persistent
+        self.label = "group"  # the reducer's tag (stage 3: the unit's name)
+        self.group_index = 0  # the optimizer param group (set by the sharding policy)
+        # ds_shape of zero.Init-partitioned params; their full data is gathered below
+        self.shapes = [full_shape(p) if gathered else p.shape for p in params]
+        numels = [shape.numel() for shape in self.shapes]
+        if gathered is not None:
+            bucket_size = sum(numels) + 1  # never reached: one bucket, one all-gather
+        self.layout: FlatLayout = build_layout(numels, bucket_size, shard_world_size)
 
-        # flat_param: (layout.numel,) in param dtype; params become views into it.
-        self.flat_param = torch.zeros(self.layout.numel, dtype=param_dtype, device=device)
+        # The full buffer, (layout.numel,) in param dtype, params packed at their slots.
+        full = torch.zeros(self.layout.numel, dtype=param_dtype, device=device)
         for slot, p in zip(self.layout.slots, params):
-            view = self.flat_param[slot.offset : slot.offset + slot.numel].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
+            src = take_full_data(p) if gathered else p.detach()
+            full[slot.offset : slot.offset + slot.numel].copy_(src.reshape(-1))
+        self.residency: WholeResidency | GatheredResidency
+        if gathered is None:
+            self.residency = WholeResidency(full, self.layout, shard_rank)
+            for slot, p in zip(self.layout.slots, params):
+                p.data = full[slot.offset : slot.offset + slot.numel].view_as(p)
+        else:
+            self.residency = GatheredResidency(
+                self, params, self.shapes, self.layout, full,
+                rank=shard_rank, world=shard_world_size, dp_group=gathered.dp_group,
+                device=device, first_param_id=gathered.first_param_id,
+                persistent=gathered.persistent, offload=offload,
+            )  # fmt: skip
+        del full
 
         # Gradient storage.
-        self.grads_are_views = full_grads and grad_dtype == param_dtype
+        self.grads_are_views = full_grads and grad_dtype == param_dtype and gathered is None
         self.flat_grad: torch.Tensor | None = None
         self.shard_grads: list[torch.Tensor] = []
         if full_grads:
+            assert gathered is None, "stage 3 keeps gradient shards only"
             self.flat_grad = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
             if self.grads_are_views:
                 self.attach_grad_views()
@@ -92,26 +133,85 @@ class FlatGroup:
 
         # Masters: this rank's slice of every bucket, in master dtype.
         offloaded = offload is not None and offload.offload_optimizer
+        alias = param_dtype == master_dtype and not offloaded and self.residency.master_may_alias
         self.masters: list[torch.Tensor] = []
         self.host_grads: list[torch.Tensor] = []  # (shard_numel,) master dtype, with offload
         self.host_grad_staged: list[bool] = []  # host_grads[i] already holds the final grads
         for bucket in self.layout.buckets:
-            shard = self.param_shard(bucket)
+            shard = self.residency.initial_shard(bucket.index)
             if offloaded:
                 assert offload is not None
                 self.masters.append(offload.new_master(shard, master_dtype))
                 self.host_grads.append(offload.new_host_grad(shard.numel(), master_dtype))
                 self.host_grad_staged.append(False)
-            elif param_dtype == master_dtype:
-                self.masters.append(shard)  # alias: the optimizer updates the params in place
+            elif alias:
+                self.masters.append(shard)  # the optimizer updates the params in place
             else:
                 self.masters.append(shard.to(master_dtype).clone())
-        self.masters_alias_params = param_dtype == master_dtype and not offloaded
+        self.masters_alias_params = alias
+        if isinstance(self.residency, GatheredResidency):
+            self.residency.place()  # the shard moves to its storage; params released
 
-    # -- views ------------------------------------------------------------------------
+    # -- residency ----------------------------------------------------------------------
     @property
     def buckets(self) -> tuple[BucketSpec, ...]:
         return self.layout.buckets
+
+    @property
+    def numel(self) -> int:
+        """Padded size of the full buffer."""
+        return self.layout.numel
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """The full parameter buffer when present (always, at stages 0-2)."""
+        return self.residency.full
+
+    @property
+    def status(self) -> ZeroParamStatus:
+        return self.residency.status
+
+    def start_gather(self) -> None:
+        """Launch the all-gather of the full buffer (stage 3; a no-op when whole)."""
+        self.residency.start_gather()
+
+    def wait_gather(self) -> None:
+        self.residency.wait_gather()
+
+    def gather(self) -> None:
+        self.start_gather()
+        self.wait_gather()
+
+    def release(self) -> None:
+        """Drop the gathered full buffer (stage 3; a no-op when whole)."""
+        self.residency.release()
+
+    def is_gathered(self, index: int) -> bool:
+        """Bucket ``index``'s parameters are whole on this rank."""
+        return self.residency.full is not None
+
+    @torch.no_grad()
+    def scatter_full_to_shard(self) -> None:
+        """After an in-place edit of the gathered params (stage 3): copy this rank's slice
+        into the shard and the master."""
+        residency = self.residency
+        assert isinstance(residency, GatheredResidency)
+        values = residency.gathered_shard()
+        residency.write_shard(0, values)
+        if self.masters_alias_params:
+            return
+        if self.offload is not None:
+            self.offload.overwrite_master(self.masters[0], values)  # host or NVMe master
+        else:
+            self.masters[0].copy_(values)
+
+    # -- views ------------------------------------------------------------------------
+    @property
+    def flat_param(self) -> torch.Tensor:
+        """The full parameter buffer of a whole (stage 0-2) group."""
+        full = self.residency.full
+        assert full is not None, "the parameters are not gathered"
+        return full
 
     def param_shard(self, bucket: BucketSpec) -> torch.Tensor:
         lo, hi = bucket.shard_range(self.shard_rank)
@@ -176,7 +276,7 @@ class FlatGroup:
 
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
-        """Write updated masters back into this rank's slices of ``flat_param``."""
+        """Write updated masters into this rank's parameter slices (wherever they live)."""
         if self.masters_alias_params:
             return
         for index in range(len(self.masters)):
@@ -184,9 +284,9 @@ class FlatGroup:
 
     @torch.no_grad()
     def copy_master_to_params(self, index: int) -> None:
-        """Write master ``index`` (bucket ``index``) into this rank's slice of ``flat_param``."""
+        """Write master ``index`` (bucket ``index``) into this rank's parameter slice."""
         if not self.masters_alias_params:
-            self.param_shard(self.buckets[index]).copy_(self.masters[index])
+            self.residency.write_shard(index, self.masters[index])
 
     @torch.no_grad()
     def pack_grads(self, span: CommSpan | BucketSpec, out: torch.Tensor) -> None:
@@ -206,11 +306,7 @@ class FlatGroup:
 
     def layouts(self) -> Iterator[tuple[FlatLayout, int, list[nn.Parameter], list, int]]:
         """The one layout of this group (see :func:`shardspeed.zero.fragments.param_fragments`)."""
-        yield self.layout, self.shard_rank, self.params, [p.shape for p in self.params], 0
-
-    def is_gathered(self, index: int) -> bool:
-        """Bucket ``index``'s parameters are whole on this rank (always, at stages 0-2)."""
-        return True
+        yield self.layout, self.shard_rank, self.params, list(self.shapes), 0
 
     def grad_slots(
         self, group_index: int, span_size: int = 0, first_span_size: int = 0
@@ -236,7 +332,8 @@ class FlatGroup:
 
         With views, autograd accumulates in place unless someone replaced ``.grad`` (e.g.
         ``zero_grad(set_to_none=True)``); 16-bit gradients accumulated in a wider dtype
-        are added into the buffer and dropped.
+        are added into the buffer and dropped. Stages 2/3 keep gradients in ``param.grad``
+        until their bucket is packed for its reduction.
         """
         if self.flat_grad is None:
             return
@@ -252,7 +349,7 @@ class FlatGroup:
 
     def storage_bytes(self) -> dict[str, int]:
         """Persistent bytes this group holds in memory, by category; ``host`` is the part of
-        them that optimizer offload keeps in host memory (masters swapped to NVMe hold none)."""
+        them in host memory because of offload (what is swapped to NVMe holds none)."""
 
         def nbytes(tensors: list[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in tensors)
@@ -261,78 +358,11 @@ class FlatGroup:
         if self.flat_grad is not None:
             grads += nbytes([self.flat_grad])
         masters = 0 if self.masters_alias_params else nbytes(self.masters)
-        host = nbytes(self.host_grads) + (masters if self.host_grads else 0)
+        params = self.residency.storage_bytes()
+        host = params["host"] + nbytes(self.host_grads) + (masters if self.host_grads else 0)
         return {
-            "params": nbytes([self.flat_param]),
+            "params": params["params"],
             "grads": grads,
             "master_params": masters,
             "host": host,
         }
-
-
-class FlatBucket:
-    """One comm span of a :class:`FlatGroup` (a whole bucket, or a part of one) as a
-    reducer slot.
-
-    A whole bucket of a sharded group is reduce-scattered (or all-reduced and sliced) and
-    keeps this rank's slice. A part of a bucket has no rank slice of its own, so it reports
-    no ``owned_range`` (the reduction is an all-reduce) and keeps its overlap with this
-    rank's slice itself in :meth:`store`.
-    """
-
-    def __init__(self, group: FlatGroup, span: CommSpan, group_index: int) -> None:
-        self.group = group
-        self.span = span
-        self.bucket = group.buckets[span.bucket_index]
-        self.params = [group.params[i] for i in span.param_indices]
-        self._index = {id(p): i for p, i in zip(self.params, span.param_indices)}
-        self.whole = (span.start, span.end) == (self.bucket.start, self.bucket.end)
-        self.streams_to_host = bool(group.host_grads) and self.whole
-        self.group_index = group_index
-        self.label = f"group {group_index} bucket {self.bucket.index}"
-        if not self.whole:
-            self.label += f" span {span.index}"
-        self._sharded = group.layout.shard_world_size > 1
-        # this rank's absolute [lo, hi) of the bucket (the whole bucket when unsharded)
-        self._owned = self.bucket.shard_range(group.shard_rank)
-
-    def describe(self) -> str:
-        return self.label
-
-    def owned_range(self) -> tuple[int, int] | None:
-        if not (self._sharded and self.whole):
-            return None
-        lo, hi = self._owned
-        return lo - self.span.start, hi - self.span.start
-
-    def on_grad(self, param: nn.Parameter) -> None:
-        self.group.accumulate_grad(self._index[id(param)])
-
-    def reduce_input(self, dtype: torch.dtype) -> torch.Tensor:
-        group, span = self.group, self.span
-        if group.flat_grad is not None:  # stages 0/1: reduce the full buffer in place
-            src = group.span_grads(span)
-            return src if src.dtype == dtype else src.to(dtype)
-        buf = torch.empty(span.numel, dtype=dtype, device=group.device)  # (span.numel,)
-        group.pack_grads(span, buf)
-        group.release_grads(span)
-        return buf
-
-    def store(self, reduced: torch.Tensor) -> None:
-        # reduced: this rank's slice when owned_range() is given, else the whole span
-        lo, hi = self._owned if self.owned_range() is not None else (self.span.start, self.span.end)
-        group = self.group
-        if group.flat_grad is not None:  # stages 0/1: the reduced gradients stay in place
-            dst = group.flat_grad[lo:hi]
-            if dst.data_ptr() != reduced.data_ptr():
-                dst.copy_(reduced)
-            return
-        # stage 2: accumulate this rank's part across micro-steps
-        hit = intersect((lo, hi), self._owned)
-        if hit is not None:
-            own_lo = self._owned[0]
-            dst = group.shard_grads[self.bucket.index][hit[0] - own_lo : hit[1] - own_lo]
-            dst.add_(reduced[hit[0] - lo : hit[1] - lo])
-
-    def stage_host_grad(self) -> None:
-        self.group.stage_host_grad(self.bucket)

@@ -21,7 +21,8 @@ from shardspeed import comm
 from shardspeed.utils.logging import warning_once
 from shardspeed.zero import init_partition
 from shardspeed.zero.construct import Init
-from shardspeed.zero.params import ShardedFlat, ZeroParamStatus, owning_flat
+from shardspeed.zero.flat_buffer import FlatGroup
+from shardspeed.zero.params import ZeroParamStatus, owning_flat
 
 __all__ = [
     "GatheredParameters",
@@ -64,7 +65,7 @@ class GatheredParameters(contextlib.ContextDecorator):
     ) -> None:
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        flats: dict[int, ShardedFlat] = {}
+        flats: dict[int, FlatGroup] = {}
         pieces: dict[int, nn.Parameter] = {}  # zero.Init-partitioned, not yet in an engine
         for p in _as_list(params):
             flat = owning_flat(p)  # type: ignore[arg-type]
@@ -74,7 +75,7 @@ class GatheredParameters(contextlib.ContextDecorator):
                 pieces.setdefault(id(p), p)  # type: ignore[arg-type]
         self.flats = list(flats.values())
         self.init_params = list(pieces.values())
-        self._gathered: list[ShardedFlat] = []
+        self._gathered: list[FlatGroup] = []
         self._gathered_init: list[nn.Parameter] = []
 
     def __enter__(self) -> GatheredParameters:
@@ -97,11 +98,12 @@ class GatheredParameters(contextlib.ContextDecorator):
             if self.modifier_rank is not None and exc[0] is None:
                 for flat in self.flats:
                     assert flat.full is not None
-                    if flat.world > 1:
+                    group = flat.residency.dp_group  # type: ignore[union-attr]
+                    if flat.layout.shard_world_size > 1:
                         src = self.modifier_rank
-                        if flat.dp_group is not None:
-                            src = torch.distributed.get_global_rank(flat.dp_group, src)
-                        comm.broadcast(flat.full, src=src, group=flat.dp_group)
+                        if group is not None:
+                            src = torch.distributed.get_global_rank(group, src)
+                        comm.broadcast(flat.full, src=src, group=group)
                     flat.scatter_full_to_shard()
                 for p in self.init_params:
                     init_partition.scatter_from_data(p, self.modifier_rank)

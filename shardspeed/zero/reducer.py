@@ -1,8 +1,8 @@
 """Gradient reduction that overlaps with backward: one reducer for every ZeRO stage.
 
 The reducer works on *slots*: a slot is one collective's worth of gradients (a bucket of
-a stage 0-2 :class:`~shardspeed.zero.flat_buffer.FlatGroup`, or a stage-3
-:class:`~shardspeed.zero.params.ShardedFlat`). A post-accumulate-grad hook on every
+a :class:`~shardspeed.zero.flat_buffer.FlatGroup`, or a part of one; a stage-3 unit's
+flat is one bucket: :mod:`shardspeed.zero.flat_slot`). A post-accumulate-grad hook on every
 trainable parameter marks it ready; when all of a slot's parameters are ready its
 reduction is launched asynchronously through the :class:`GradReduction` strategy. Slots
 launch in one fixed global order on every rank (a ready slot waits for earlier ones), so

@@ -99,11 +99,7 @@ class _Source:
     def restage_grad(self, index: int) -> None:
         """After a gradient fragment was written: refresh the host copy the optimizer reads
         under optimizer offload (a no-op without offload)."""
-        bucket = self.group.buckets[self._master_index(index)]
-        if hasattr(bucket, "stage_host_grad"):  # a stage-3 flat keeps its own host copy
-            bucket.stage_host_grad()
-        else:  # a FlatGroup bucket spec: the group holds the host copies
-            self.group.stage_host_grad(bucket)
+        self.group.stage_host_grad(self.group.buckets[self._master_index(index)])
 
     def has_full_copy(self, index: int) -> bool:
         """``param.data`` is the whole parameter now (stage 3: gathered, e.g. persistent)."""

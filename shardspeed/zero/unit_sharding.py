@@ -2,8 +2,9 @@
 
 The model is split into *units* (each element of an ``nn.ModuleList``/``nn.Sequential``,
 plus a root unit for the rest and for parameters shared between units). Each (unit,
-param group) becomes one :class:`~shardspeed.zero.params.ShardedFlat`: a single padded
-bucket of which this rank keeps slice ``dp_rank``. The
+param group) becomes one :class:`~shardspeed.zero.flat_buffer.FlatGroup` with a gathered
+residency (:class:`~shardspeed.zero.residency.GatheredResidency`): a single padded bucket
+of which this rank keeps slice ``dp_rank``, the same flat-buffer type stages 0-2 use. The
 :class:`~shardspeed.zero.fetch.FetchCoordinator` gathers a unit before its forward and
 backward (prefetching the next unit of the recorded order) and releases it after; the
 reducer releases a unit once all its gradients are reduced. Parameters below
@@ -20,9 +21,10 @@ import torch
 import torch.nn as nn
 
 from shardspeed.zero.fetch import FetchCoordinator, Unit
+from shardspeed.zero.flat_buffer import FlatGroup, GatherSpec
+from shardspeed.zero.flat_slot import FlatBucket
 from shardspeed.zero.init_partition import full_numel, materialize_init_params
 from shardspeed.zero.order_check import OrderCheck
-from shardspeed.zero.params import ShardedFlat
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 from shardspeed.zero.sharding import ShardingContext
 
@@ -79,14 +81,15 @@ def assign_params(model: nn.Module, units: list[Unit]) -> dict[int, int]:
 class UnitGroup:
     """One optimizer param group at stage 3: one single-bucket flat per unit (+ persistent).
 
-    Offers the optimizer the same surface as a :class:`FlatGroup`, a flat being a bucket.
+    Offers the optimizer the same surface as one :class:`FlatGroup` of several buckets,
+    each flat being one bucket.
     """
 
-    def __init__(self, flats: list[ShardedFlat]) -> None:
+    def __init__(self, flats: list[FlatGroup]) -> None:
         self.flats = flats
 
     @property
-    def buckets(self) -> list[ShardedFlat]:
+    def buckets(self) -> list[FlatGroup]:
         return self.flats
 
     @property
@@ -95,7 +98,7 @@ class UnitGroup:
 
     @property
     def masters(self) -> list[torch.Tensor]:
-        return [f.master for f in self.flats]
+        return [f.masters[0] for f in self.flats]
 
     @property
     def device(self) -> torch.device:
@@ -109,27 +112,30 @@ class UnitGroup:
     def layouts(self) -> Iterator[tuple[Any, int, list[nn.Parameter], list, int]]:
         """One single-bucket layout per flat (see ``zero.fragments.param_fragments``)."""
         for index, flat in enumerate(self.flats):
-            yield flat.layout, flat.rank, flat.params, [p.ds_shape for p in flat.params], index
+            yield flat.layout, flat.shard_rank, flat.params, list(flat.shapes), index
 
-    def shard_grad(self, flat: ShardedFlat) -> torch.Tensor:
-        return flat.grad_shard
+    def shard_grad(self, flat: FlatGroup) -> torch.Tensor:
+        return flat.shard_grad(flat.buckets[0])
 
     def is_gathered(self, index: int) -> bool:
         return self.flats[index].full is not None
 
-    def optimizer_grad(self, flat: ShardedFlat) -> torch.Tensor:
-        return flat.optimizer_grad()
+    def optimizer_grad(self, flat: FlatGroup) -> torch.Tensor:
+        return flat.optimizer_grad(flat.buckets[0])
+
+    def stage_host_grad(self, flat: FlatGroup) -> None:
+        flat.stage_host_grad(flat.buckets[0])
 
     def zero_grads(self) -> None:
         for f in self.flats:
-            f.zero_grad_shard()
+            f.zero_grads()
 
     def copy_masters_to_params(self) -> None:
         for f in self.flats:
-            f.copy_master_to_shard()
+            f.copy_masters_to_params()
 
     def copy_master_to_params(self, index: int) -> None:
-        self.flats[index].copy_master_to_shard()
+        self.flats[index].copy_master_to_params(0)
 
     def storage_bytes(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -146,7 +152,9 @@ class UnitSharding:
         self.ctx = ctx
         zc = ctx.zero
         self.units = split_units(model)
-        self.persistent_flats: list[ShardedFlat] = []
+        self.persistent_flats: list[FlatGroup] = []
+        self._slots: dict[int, FlatBucket] = {}  # id(flat) -> its reducer slot
+        self._unit_of_slot: dict[int, int] = {}  # id(slot) -> unit id (-1: persistent)
         self.groups = self._build_groups(groups, model)
         check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
         self.order_check = OrderCheck(ctx.dp_group, ctx.dp_world_size, ctx.device, check_on)
@@ -165,17 +173,9 @@ class UnitSharding:
         owner = assign_params(model, self.units)
         threshold = int(zc.stage3_param_persistence_threshold)
         budget = int(zc.stage3_model_persistence_threshold)
-        common = {
-            "param_dtype": ctx.param_dtype,
-            "grad_dtype": ctx.grad_dtype,
-            "master_dtype": ctx.master_dtype,
-            "device": ctx.device,
-            "offload": ctx.offload,
-        }
         next_id = 0
         out = []
         for group_index, (g, axis) in enumerate(zip(groups, ctx.axes)):
-            common.update(dp_group=axis.group, world=axis.size, rank=axis.rank)
             per_unit: list[list[nn.Parameter]] = [[] for _ in self.units]
             keep: list[nn.Parameter] = []
             for param in g["params"]:
@@ -188,19 +188,14 @@ class UnitSharding:
             flats = []
             for unit, params in zip(self.units, per_unit):
                 if params:
-                    flat = ShardedFlat(
-                        params, unit_id=unit.id, first_param_id=next_id, persistent=False, **common
-                    )
+                    flat = self._new_flat(params, axis, group_index, unit.id, next_id)
                     flat.label = f"unit {unit.name}"
-                    flat.group_index = group_index
                     unit.flats.append(flat)
                     flats.append(flat)
                     next_id += len(params)
             if keep:
-                flat = ShardedFlat(
-                    keep, unit_id=-1, first_param_id=next_id, persistent=True, **common
-                )
-                flat.group_index = group_index
+                flat = self._new_flat(keep, axis, group_index, -1, next_id)
+                flat.label = "<persistent>"
                 self.persistent_flats.append(flat)
                 flats.append(flat)
                 next_id += len(keep)
@@ -209,13 +204,39 @@ class UnitSharding:
         materialize_init_params(model, "ZeRO-3 keeps frozen parameters whole on every rank")
         return out
 
+    def _new_flat(
+        self, params: list[nn.Parameter], axis: Any, group_index: int, unit_id: int, first_id: int
+    ) -> FlatGroup:
+        """One unit's (``unit_id`` -1: the persistent) parameters of one param group."""
+        ctx = self.ctx
+        flat = FlatGroup(
+            params,
+            shard_world_size=axis.size,
+            shard_rank=axis.rank,
+            bucket_size=0,  # one bucket per flat (set by the gathered residency)
+            param_dtype=ctx.param_dtype,
+            grad_dtype=ctx.grad_dtype,
+            master_dtype=ctx.master_dtype,
+            full_grads=False,
+            device=ctx.device,
+            offload=ctx.offload,
+            gathered=GatherSpec(axis.group, unit_id, first_id, persistent=unit_id < 0),
+        )
+        flat.group_index = group_index
+        return flat
+
     def describe(self) -> str:
         return f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats"
 
     # -- reduction ------------------------------------------------------------------------
     def grad_slots(self) -> list[GradSlot]:
-        """Deepest unit first (backward order), the root, then the persistent flats."""
-        return [f for u in reversed(self.units) for f in u.flats] + self.persistent_flats
+        """One slot per flat (one bucket each): deepest unit first (backward order), the
+        root, then the persistent flats."""
+        flats = [f for u in reversed(self.units) for f in u.flats] + self.persistent_flats
+        slots = [f.grad_slots(f.group_index)[0] for f in flats]
+        self._slots = {id(f): s for f, s in zip(flats, slots)}
+        self._unit_of_slot = {id(s): f.unit_id for f, s in zip(flats, slots)}
+        return list(slots)
 
     def reduction_policy(self) -> ReductionPolicy:
         ctx = self.ctx
@@ -230,11 +251,11 @@ class UnitSharding:
             tag="zero3.reduce_grads",
         )
 
-    def _on_flat_ready(self, flat: GradSlot) -> None:
-        unit_id = getattr(flat, "unit_id", -1)
+    def _on_flat_ready(self, slot: GradSlot) -> None:
+        unit_id = self._unit_of_slot.get(id(slot), -1)
         if unit_id > 0:
             unit = self.units[unit_id]
-            if all(self.reducer.is_ready(f) for f in unit.flats):
+            if all(self.reducer.is_ready(self._slots[id(f)]) for f in unit.flats):
                 self.coordinator.release(unit)  # its backward is over
 
     # -- after a step / a checkpoint load ----------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
+from parity_common import ParitySpec, make_model, reference_run, train_steps
 
 from shardspeed.checkpoint import (
     get_fp32_state_dict_from_checkpoint,

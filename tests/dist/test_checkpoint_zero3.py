@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
+from parity_common import ParitySpec, make_model, reference_run, train_steps
 from test_checkpoint_engine import _all_kinds
 
 from shardspeed.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint

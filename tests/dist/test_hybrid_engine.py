@@ -30,7 +30,8 @@ def _run(stage: int, generate: bool, pin: bool) -> dict[str, Any]:
     import shardspeed
     from shardspeed.models import GPT
     from shardspeed.zero import GatheredParameters
-    from shardspeed.zero.params import ShardedFlat, ZeroParamStatus
+    from shardspeed.zero.flat_buffer import FlatGroup
+    from shardspeed.zero.params import ZeroParamStatus
 
     spec = ParitySpec(stage=stage, steps=3, clip=1.0)
     spec.extra = {"hybrid_engine": {"enabled": True, "pin_parameters": pin}}
@@ -40,14 +41,14 @@ def _run(stage: int, generate: bool, pin: bool) -> dict[str, Any]:
     engine, _, _, _ = shardspeed.initialize(model=model, config=spec.config())
 
     launches = [0]
-    original = ShardedFlat.start_gather
+    original = FlatGroup.start_gather
 
-    def counting(flat: ShardedFlat) -> None:
-        if flat.full is None and flat._pending is None:  # noqa: SLF001 - a real launch
+    def counting(flat: FlatGroup) -> None:
+        if flat.full is None and flat.residency._pending is None:  # noqa: SLF001 - a real launch
             launches[0] += 1
         original(flat)
 
-    ShardedFlat.start_gather = counting  # type: ignore[method-assign]
+    FlatGroup.start_gather = counting  # type: ignore[method-assign]
     losses, tokens, references, gathers, released = [], [], [], [], []
     try:
         for step in range(spec.steps):
@@ -68,7 +69,7 @@ def _run(stage: int, generate: bool, pin: bool) -> dict[str, Any]:
                 engine.train()
             losses += train_steps(engine, spec, range(step, step + 1))
     finally:
-        ShardedFlat.start_gather = original  # type: ignore[method-assign]
+        FlatGroup.start_gather = original  # type: ignore[method-assign]
     with GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     num_flats = sum(len(u.flats) for u in engine.sharding.units) if stage == 3 else 0

@@ -27,7 +27,6 @@ def _streaming(stage: int) -> list[dict[str, object]]:
 
     import shardspeed
     from shardspeed.zero.flat_buffer import FlatGroup
-    from shardspeed.zero.params import ShardedFlat
 
     class SlowBackward(torch.autograd.Function):
         @staticmethod
@@ -63,7 +62,7 @@ def _streaming(stage: int) -> list[dict[str, object]]:
     engine, _, _, _ = shardspeed.initialize(model=model, config=config)
     in_flush = [False]
     events: list[tuple[bool, bool]] = []  # (during backward hooks, on the boundary)
-    originals = (FlatGroup.stage_host_grad, ShardedFlat.stage_host_grad, engine.reducer.flush)
+    originals = (FlatGroup.stage_host_grad, engine.reducer.flush)
 
     def record() -> None:
         events.append((not in_flush[0], engine.is_gradient_accumulation_boundary()))
@@ -72,19 +71,14 @@ def _streaming(stage: int) -> list[dict[str, object]]:
         record()
         originals[0](self, bucket)  # type: ignore[arg-type]
 
-    def flat_stage(self: ShardedFlat) -> None:
-        record()
-        originals[1](self)
-
     def flush() -> None:
         in_flush[0] = True
         try:
-            originals[2]()
+            originals[1]()
         finally:
             in_flush[0] = False
 
     FlatGroup.stage_host_grad = group_stage  # type: ignore[method-assign]
-    ShardedFlat.stage_host_grad = flat_stage  # type: ignore[method-assign]
     engine.reducer.flush = flush  # type: ignore[method-assign]
     out: list[dict[str, object]] = []
     try:
@@ -94,14 +88,10 @@ def _streaming(stage: int) -> list[dict[str, object]]:
             x = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * micro + rank))
             engine.backward(engine(x).pow(2).mean())
             if engine.is_gradient_accumulation_boundary():
-                if stage == 3:
-                    pairs = [(f.host_grad, f.grad_shard) for f in engine.reducer.order]
-                else:
-                    pairs = [
-                        (g.host_grads[b.index], g.shard_grad(b))
-                        for g in engine.optimizer.groups
-                        for b in g.buckets
-                    ]
+                pairs = [  # stage 3: every flat is a bucket of its UnitGroup
+                    (s.group.host_grads[s.bucket.index], s.group.shard_grad(s.bucket))
+                    for s in engine.reducer.order
+                ]
                 equal = all(torch.equal(h, s.float()) for h, s in pairs)
                 staged = len(pairs)
             else:
@@ -109,7 +99,7 @@ def _streaming(stage: int) -> list[dict[str, object]]:
             out.append({"events": list(events), "equal": equal, "buckets": staged})
             engine.step()
     finally:
-        FlatGroup.stage_host_grad, ShardedFlat.stage_host_grad = originals[:2]  # type: ignore[method-assign]
+        FlatGroup.stage_host_grad = originals[0]  # type: ignore[method-assign]
         engine.destroy()
     return out
 

@@ -61,16 +61,17 @@ def _check_placement(engine, spec: ParitySpec) -> None:
         return
     flats = [f for g in engine.flat_groups for f in g.flats]
     for flat in flats:
+        shard, master = flat.residency.resident, flat.masters[0]
         if opt != "none":
-            assert flat.master is not flat.shard and flat.host_grad is not None
+            assert master is not shard and flat.host_grads
         if param == "cpu":  # a host copy; each gather copies it to a new device tensor
-            assert flat.shard is not None and _storage(flat.shard) != _storage(flat.grad_shard)
-            src = flat.storage.gather_source()
-            assert _storage(src) != _storage(flat.shard) and torch.equal(src, flat.shard)
+            assert shard is not None and _storage(shard) != _storage(flat.shard_grads[0])
+            src = flat.residency.storage.gather_source()
+            assert _storage(src) != _storage(shard) and torch.equal(src, shard)
         if param == "nvme":
-            assert flat.shard is None and all(p.ds_tensor.numel() == 0 for p in flat.params)
+            assert shard is None and all(p.ds_tensor.numel() == 0 for p in flat.params)
         if opt == "nvme":
-            assert flat.master.numel() == 0  # swapped out between steps
+            assert master.numel() == 0  # swapped out between steps
 
 
 def offload_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor], dict]:

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from parity_common import ParitySpec, make_model, micro_batch, param_groups, train_steps
+from parity_common import ParitySpec, make_model, param_groups, train_steps
 from test_zero_parity import check_against_reference
 
 from shardspeed.testing import run_distributed
@@ -40,8 +40,9 @@ def zero3_run(spec: ParitySpec) -> tuple[list[float], dict[str, torch.Tensor]]:
     engine, _, _, _ = shardspeed.initialize(model=model, optimizer=optimizer, config=spec.config())
     if "offload_optimizer" in spec.extra["zero_optimization"]:  # separate host copies
         flats = [f for g in engine.flat_groups for f in g.flats]
-        assert all(f.master is not f.shard and f.master.device.type == "cpu" for f in flats)
-        assert all(f.host_grad is not None for f in flats)
+        masters = [(f.masters[0], f.residency.resident) for f in flats]
+        assert all(m is not s and m.device.type == "cpu" for m, s in masters)
+        assert all(f.host_grads for f in flats)
     losses = train_steps(engine, spec, range(spec.steps))
     params = list(engine.module.parameters())
     assert all(p.numel() == 0 for p in params if not getattr(p, "ds_persist", True))

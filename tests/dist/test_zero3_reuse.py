@@ -21,20 +21,20 @@ ROOT_NUMEL = 18  # the head, Linear(16, 1): 17 elements padded to a multiple of 
 def _count_gathers(zero: dict, steps: int = 3) -> tuple[list[dict[str, int]], dict]:
     import shardspeed
     from shardspeed.zero import GatheredParameters
-    from shardspeed.zero.params import ShardedFlat
+    from shardspeed.zero.flat_buffer import FlatGroup
 
     model = _fresh()
     engine, _, _, _ = shardspeed.initialize(model=model, config=_config(**zero))
     names = {id(f): u.name for u in engine.sharding.units for f in u.flats}
     per_step: list[dict[str, int]] = []
-    original = ShardedFlat.start_gather
+    original = FlatGroup.start_gather
 
-    def counting(flat: ShardedFlat) -> None:
-        if flat.full is None and flat._pending is None:  # noqa: SLF001 - a real gather
+    def counting(flat: FlatGroup) -> None:
+        if flat.full is None and flat.residency._pending is None:  # noqa: SLF001 - a real gather
             counts[names[id(flat)]] = counts.get(names[id(flat)], 0) + 1
         original(flat)
 
-    ShardedFlat.start_gather = counting  # type: ignore[method-assign]
+    FlatGroup.start_gather = counting  # type: ignore[method-assign]
     try:
         for step in range(steps):
             counts: dict[str, int] = {}
@@ -43,7 +43,7 @@ def _count_gathers(zero: dict, steps: int = 3) -> tuple[list[dict[str, int]], di
             engine.step()
             per_step.append(counts)
     finally:
-        ShardedFlat.start_gather = original  # type: ignore[method-assign]
+        FlatGroup.start_gather = original  # type: ignore[method-assign]
     with GatheredParameters(model.parameters()):
         final = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.destroy()

@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from parity_common import ParitySpec, make_model, micro_batch, reference_run, train_steps
+from parity_common import ParitySpec, make_model, reference_run, train_steps
 from test_zero3_parity import zero3_spec
 from test_zero_parity import tolerance
 

@@ -1,6 +1,6 @@
 """ZeRO-Infinity parameter offload: stage-3 parameter shards kept in NVMe swap files.
 
-Each :class:`~shardspeed.zero.params.ShardedFlat` registers its shard once (written to
+Each stage-3 :class:`~shardspeed.zero.flat_buffer.FlatGroup` registers its shard once (written to
 its own file). Before the all-gather, :meth:`ParamSwapper.load` reads the shard into a
 pool buffer, copies it to the device and frees the buffer. Reads are prefetched from the
 order in which shards were loaded before: loading shard A after shard B last time means

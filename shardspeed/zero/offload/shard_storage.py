@@ -1,6 +1,7 @@
 """Where a stage-3 parameter shard lives between uses: device, host memory, or an NVMe file.
 
-A :class:`~shardspeed.zero.params.ShardedFlat` keeps its persistent shard (this rank's
+A stage-3 :class:`~shardspeed.zero.flat_buffer.FlatGroup` (its
+:class:`~shardspeed.zero.residency.GatheredResidency`) keeps its persistent shard (this rank's
 1/N of the unit's flat buffer, in the parameter dtype) in one of these. The gather asks
 for ``gather_source()``: a tensor on the device to all-gather from; the optimizer (and
 ``GatheredParameters`` edits) write new values with ``store()``.
