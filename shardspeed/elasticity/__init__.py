@@ -9,7 +9,9 @@ applies it: with an enabled block, the batch keys are computed for the world siz
 ``shardspeed.config.elasticity``).
 
 DeepSpeed's ``DSElasticAgent`` (a torchrun agent for its launcher) is not provided: launch
-elastic jobs with ``torchrun --nnodes=MIN:MAX``.
+elastic jobs with ``shardspeed --elastic --min_nodes N --max_nodes M`` (torchrun's own
+elastic agent on every host, :mod:`shardspeed.launcher.elastic`), and resume in the script
+with :func:`shardspeed.runtime.elastic_resume.resume_elastic`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from shardspeed.elasticity.config import (
     ElasticityConfigError,
     ElasticityError,
     ElasticityIncompatibleWorldSize,
+    ElasticityUnknownVersion,
 )
 from shardspeed.elasticity.constants import ELASTICITY, ENABLED, ENABLED_DEFAULT
 from shardspeed.elasticity.elasticity import (
@@ -36,6 +39,7 @@ __all__ = [
     "ElasticityConfigError",
     "ElasticityError",
     "ElasticityIncompatibleWorldSize",
+    "ElasticityUnknownVersion",
     "compute_elastic_config",
     "elasticity_enabled",
     "ensure_immutable_elastic_config",

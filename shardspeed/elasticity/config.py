@@ -59,6 +59,13 @@ class ElasticityConfigError(ElasticityError):
     """The elasticity block is missing, disabled or holds a value that cannot work."""
 
 
+class ElasticityUnknownVersion(ElasticityConfigError, NotImplementedError):
+    """``version`` is at most the latest but not an algorithm that exists (e.g. 0.15).
+
+    Also a ``NotImplementedError``, the type DeepSpeed 0.19.6 raised for it.
+    """
+
+
 class ElasticityIncompatibleWorldSize(ElasticityError):
     """The world size is not one of the GPU counts the elastic batch size divides evenly."""
 

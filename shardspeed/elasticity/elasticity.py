@@ -20,6 +20,7 @@ from shardspeed.elasticity.config import (
     ElasticityConfigError,
     ElasticityError,
     ElasticityIncompatibleWorldSize,
+    ElasticityUnknownVersion,
     version_number,
 )
 from shardspeed.elasticity.constants import (
@@ -84,7 +85,8 @@ def algorithm_version(config: ElasticityConfig) -> float:
     """The block's algorithm version (0.1 or 0.2), checked against its other settings.
 
     Raises:
-        ElasticityConfigError: for another version, or model parallelism with version 0.1.
+        ElasticityConfigError: for another version (``ElasticityUnknownVersion``, also a
+            ``NotImplementedError``, below 0.2), or model parallelism with version 0.1.
     """
     version = version_number(config.version)
     if config.model_parallel_size > 1 and version != 0.2:
@@ -93,8 +95,10 @@ def algorithm_version(config: ElasticityConfig) -> float:
             f"{config.version} has no model parallelism. Fix: set version to 0.2.",
             "model_parallel_size",
         )
-    if version > LATEST_ELASTICITY_VERSION or version not in _SUPPORTED_VERSIONS:
-        raise ElasticityConfigError(
+    if version not in _SUPPORTED_VERSIONS:
+        # DeepSpeed: above the latest is a config error, an unknown lower one not implemented
+        newer = version > LATEST_ELASTICITY_VERSION
+        raise (ElasticityConfigError if newer else ElasticityUnknownVersion)(
             f"elasticity.version {config.version} is not supported. Allowed: 0.1 or 0.2 "
             f"(latest {LATEST_ELASTICITY_VERSION}). Fix: set version to 0.2.",
             "version",

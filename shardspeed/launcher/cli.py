@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardspeed.launcher.commands import format_command
+from shardspeed.launcher.elastic import DEFAULT_MAX_RESTARTS, ElasticOptions
 from shardspeed.launcher.errors import LauncherError
-from shardspeed.launcher.plan import LaunchOptions, build_plan, resolve_pool
+from shardspeed.launcher.plan import DEFAULT_HOSTFILE, LaunchOptions, build_plan, resolve_pool
 
 # name -> (module, function); function signature: main(argv: list[str]) -> int
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -144,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="also write each rank's stdout/stderr to files under DIR",
     )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="torchrun's elastic agent with a c10d rendezvous on the first host: hosts may "
+        "leave and join between --min_nodes and --max_nodes (docs/distributed.md)",
+    )
+    p.add_argument("--min_nodes", type=int, default=None, help="--elastic: fewest hosts")
+    p.add_argument("--max_nodes", type=int, default=None, help="--elastic: most hosts")
+    p.add_argument(
+        "--max_restarts",
+        type=int,
+        default=None,
+        help=f"--elastic: worker restarts per agent (default {DEFAULT_MAX_RESTARTS})",
+    )
+    p.add_argument("--rdzv_id", default="", help="--elastic: job id (default: from the pid)")
+    p.add_argument(
+        "--rdzv_conf", default="", help="--elastic: extra KEY=VALUE,... for the rendezvous"
+    )
     p.add_argument("--version", action="store_true", help="print the shardspeed version")
     p.add_argument(
         "user_script", nargs="?", metavar="SCRIPT", help="training script (or module, executable)"
@@ -169,6 +188,7 @@ def parse_options(argv: list[str]) -> tuple[argparse.Namespace, LaunchOptions | 
     for flag, port in (("--master_port", args.master_port), ("--ssh_port", args.ssh_port)):
         if port is not None and not 0 < port < 65536:
             raise LauncherError(f"{flag} must be in 1..65535, got {port}.")
+    elastic = _elastic_options(args)
     script = args.user_script
     if not args.module:
         found = Path(script).is_file() or (args.no_python and shutil.which(script))
@@ -198,8 +218,53 @@ def parse_options(argv: list[str]) -> tuple[argparse.Namespace, LaunchOptions | 
         log_dir=args.enable_each_rank_log,
         log_level=args.log_level,
         dry_run=args.dry_run,
+        elastic=elastic,
     )
     return args, opts
+
+
+def _elastic_options(args: argparse.Namespace) -> ElasticOptions | None:
+    """The elastic flags as options; they need ``--elastic`` (and it needs none of them)."""
+    given = [
+        flag
+        for flag, value in (
+            ("--min_nodes", args.min_nodes),
+            ("--max_nodes", args.max_nodes),
+            ("--max_restarts", args.max_restarts),
+            ("--rdzv_id", args.rdzv_id or None),
+            ("--rdzv_conf", args.rdzv_conf or None),
+        )
+        if value is not None
+    ]
+    if not args.elastic:
+        if given:
+            raise LauncherError(f"{', '.join(given)} only apply with --elastic; add --elastic.")
+        return None
+    if args.no_ssh and not args.rdzv_id:
+        raise LauncherError(
+            "--elastic --no_ssh starts one node per call, so the nodes only meet with a "
+            "shared job id: pass the same --rdzv_id on every node."
+        )
+    hosts = args.num_nodes if args.num_nodes > 0 else None
+    min_nodes = args.min_nodes if args.min_nodes is not None else 1
+    max_nodes = args.max_nodes if args.max_nodes is not None else (hosts or min_nodes)
+    if args.max_nodes is None and hosts is None:
+        max_nodes = max(min_nodes, _hostfile_size(args))
+    return ElasticOptions(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        max_restarts=DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts,
+        rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
+    )
+
+
+def _hostfile_size(args: argparse.Namespace) -> int:
+    """Hosts in the hostfile (1 without one): the default ``--max_nodes``."""
+    from shardspeed.launcher.hostfile import read_hostfile
+
+    path = args.hostfile or (DEFAULT_HOSTFILE if Path(DEFAULT_HOSTFILE).is_file() else None)
+    return len(read_hostfile(path)) if path else 1
 
 
 def launch(argv: list[str]) -> int:
@@ -229,7 +294,9 @@ def launch(argv: list[str]) -> int:
     if len(nodes) == 1 and not nodes[0].remote:
         return run_local(nodes[0].argv, nodes[0].env)
     commands = [(node.host, node.argv, node.env) for node in nodes]
-    return run_remote(commands, prefix_output=opts.launcher == "ssh")
+    return run_remote(
+        commands, prefix_output=opts.launcher == "ssh", elastic=opts.elastic is not None
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Every node runs the same ``torchrun`` invocation with a static rendezvous::
 The nodes share ``--nnodes``, ``--master_addr`` and ``--master_port``; only
 ``--node_rank`` (and ``--nproc_per_node`` for uneven hosts) differ. Node rank ``r`` is the
 ``r``-th host of the resource pool, so global ranks follow hostfile order. The static
-scheme is deterministic and needs no job id; it is not elastic (nor is ShardSpeed).
+scheme is deterministic and needs no job id. An elastic launch (``--elastic``) uses
+torchrun's c10d rendezvous instead (:mod:`shardspeed.launcher.elastic`).
 
 ``<entry>`` gives the user's script ``--local_rank=<n>`` as its first argument (as the
 ``deepspeed`` launcher does) by running it through :mod:`shardspeed.launcher.local_rank_shim`;
@@ -54,27 +55,26 @@ def build_torchrun_argv(
     no_local_rank: bool = False,
     log_dir: str | None = None,
     python: str | None = None,
+    rendezvous: Sequence[str] | None = None,
 ) -> list[str]:
     """The full ``python -m torch.distributed.run ...`` argv for one node.
 
     ``log_dir`` adds ``--log_dir DIR --tee 3``: every rank's stdout/stderr also goes to a
-    file under ``DIR``. ``python`` defaults to the launcher's interpreter.
+    file under ``DIR``. ``python`` defaults to the launcher's interpreter. ``rendezvous``
+    (an elastic launch, :mod:`shardspeed.launcher.elastic`) replaces the static
+    ``--nnodes``/``--node_rank``/``--master_addr``/``--master_port``.
     """
-    argv = [
-        python or sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(num_nodes),
-        "--nproc_per_node",
-        str(nproc_per_node),
-        "--node_rank",
-        str(node_rank),
-        "--master_addr",
-        master_addr,
-        "--master_port",
-        str(master_port),
-    ]
+    argv = [python or sys.executable, "-m", "torch.distributed.run"]
+    if rendezvous is not None:
+        argv += [*rendezvous, "--nproc_per_node", str(nproc_per_node)]
+    else:
+        argv += [
+            "--nnodes", str(num_nodes),
+            "--nproc_per_node", str(nproc_per_node),
+            "--node_rank", str(node_rank),
+            "--master_addr", master_addr,
+            "--master_port", str(master_port),
+        ]  # fmt: skip
     if log_dir:
         argv += ["--log_dir", log_dir, "--tee", "3"]
     entry = build_entry_argv(

@@ -20,6 +20,12 @@ from shardspeed.launcher.commands import (
     build_ssh_argv,
     build_torchrun_argv,
 )
+from shardspeed.launcher.elastic import (
+    ELASTIC_ENV,
+    ElasticOptions,
+    default_rdzv_id,
+    rendezvous_argv,
+)
 from shardspeed.launcher.environment import remote_env
 from shardspeed.launcher.errors import LauncherError
 from shardspeed.launcher.hostfile import (
@@ -58,6 +64,7 @@ class LaunchOptions:
     log_dir: str | None = None
     log_level: str | None = None
     dry_run: bool = False
+    elastic: ElasticOptions | None = None  # --elastic: torchrun's c10d rendezvous
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,17 @@ def _device_env(resolved: ResolvedPool, host: str, slots: list[int]) -> dict[str
     return {}
 
 
-def _torchrun(opts: LaunchOptions, num_nodes: int, nproc: int, rank: int, addr: str) -> list[str]:
+def _torchrun(
+    opts: LaunchOptions, num_nodes: int, nproc: int, rank: int, addr: str, local: str = ""
+) -> list[str]:
+    """One node's torchrun argv; with ``--elastic`` ``addr`` is the rendezvous host, node
+    ``rank`` 0 holds its store, and ``local`` is the node's own address."""
+    rendezvous = None
+    if opts.elastic is not None:
+        rdzv_id = opts.elastic.rdzv_id or default_rdzv_id(opts.hostfile, opts.master_port)
+        rendezvous = rendezvous_argv(
+            opts.elastic, addr, opts.master_port, rdzv_id, is_host=rank == 0, local_addr=local
+        )
     return build_torchrun_argv(
         num_nodes=num_nodes,
         nproc_per_node=nproc,
@@ -159,11 +176,16 @@ def _torchrun(opts: LaunchOptions, num_nodes: int, nproc: int, rank: int, addr: 
         no_local_rank=opts.no_local_rank,
         log_dir=opts.log_dir,
         python=sys.executable,
+        rendezvous=rendezvous,
     )
 
 
-def _log_env(opts: LaunchOptions) -> dict[str, str]:
-    return {"SHARDSPEED_LOG_LEVEL": opts.log_level.upper()} if opts.log_level else {}
+def _job_env(opts: LaunchOptions) -> dict[str, str]:
+    """Variables every node gets from the flags: the log level, the elastic settings."""
+    env = {"SHARDSPEED_LOG_LEVEL": opts.log_level.upper()} if opts.log_level else {}
+    if opts.elastic is not None:
+        env.update(ELASTIC_ENV)
+    return env
 
 
 def build_plan(
@@ -175,6 +197,8 @@ def build_plan(
 ) -> list[NodeCommand]:
     """One :class:`NodeCommand` per node to start from this machine."""
     hosts = list(resolved.pool)
+    if opts.elastic is not None and not opts.no_ssh:
+        _check_elastic_hosts(opts.elastic, hosts)
     if opts.node_rank >= 0 and not opts.no_ssh:
         raise LauncherError(
             f"--node_rank {opts.node_rank} only applies with --no_ssh (start this node only); "
@@ -185,16 +209,17 @@ def build_plan(
     if len(hosts) == 1 and (not resolved.from_hostfile or is_local_host(hosts[0])):
         host = hosts[0]
         slots = resolved.pool[host]
-        argv = _torchrun(opts, 1, len(slots), 0, opts.master_addr or "127.0.0.1")
-        env = {**_device_env(resolved, host, slots), **_log_env(opts)}
+        addr = opts.master_addr or "127.0.0.1"
+        argv = _torchrun(opts, 1, len(slots), 0, addr, addr)
+        env = {**_device_env(resolved, host, slots), **_job_env(opts)}
         return [NodeCommand(host, 0, tuple(slots), argv, argv, env)]
 
     master_addr = opts.master_addr or hosts[0]
-    shared_env = {**remote_env(environ, cwd, home), **_log_env(opts)}
+    shared_env = {**remote_env(environ, cwd, home), **_job_env(opts)}
     nodes = []
     for rank, host in enumerate(hosts):
         slots = resolved.pool[host]
-        torchrun_argv = _torchrun(opts, len(hosts), len(slots), rank, master_addr)
+        torchrun_argv = _torchrun(opts, len(hosts), len(slots), rank, master_addr, host)
         node_env = {**shared_env, **_device_env(resolved, host, slots)}
         command = build_remote_command(torchrun_argv, str(cwd), node_env)
         if opts.launcher == "pdsh":
@@ -237,6 +262,24 @@ def _no_ssh_node(opts: LaunchOptions, resolved: ResolvedPool) -> NodeCommand:
     else:
         master_addr = opts.master_addr or "127.0.0.1"
     slots = resolved.pool[host]
-    argv = _torchrun(opts, num_nodes, len(slots), rank, master_addr)
-    env = {**_device_env(resolved, host, slots), **_log_env(opts)}
+    local = host if resolved.from_hostfile else master_addr if rank == 0 else ""
+    argv = _torchrun(opts, num_nodes, len(slots), rank, master_addr, local)
+    if opts.elastic is not None and not local:  # torch picks this machine's address
+        argv = _drop_option(argv, "--local_addr")
+    env = {**_device_env(resolved, host, slots), **_job_env(opts)}
     return NodeCommand(host, rank, tuple(slots), argv, argv, env)
+
+
+def _drop_option(argv: list[str], option: str) -> list[str]:
+    at = argv.index(option)
+    return argv[:at] + argv[at + 2 :]
+
+
+def _check_elastic_hosts(elastic: ElasticOptions, hosts: list[str]) -> None:
+    """An elastic job starts on between ``min_nodes`` and ``max_nodes`` hosts."""
+    if not elastic.min_nodes <= len(hosts) <= elastic.max_nodes:
+        raise LauncherError(
+            f"--elastic starts on the {len(hosts)} selected host(s) {hosts}, outside "
+            f"--min_nodes {elastic.min_nodes} .. --max_nodes {elastic.max_nodes}; select "
+            "that many hosts (--include/--exclude/--num_nodes) or change the bounds."
+        )

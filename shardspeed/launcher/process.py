@@ -4,6 +4,12 @@ Exit codes always propagate: the launcher returns torchrun's status locally and,
 multi-node job, the status of the first node that failed (a signal-killed child maps to
 ``128 + signal``). When a node fails, the others are terminated. A failed local job ends
 with one ``shardspeed: job failed`` line naming the first rank that failed and why.
+
+An elastic job (``elastic=True``) keeps going when a node's process ends with an error: that
+host is lost, and the other nodes' agents carry on without it (torchrun restarts their
+workers at the smaller world). The job's status is that of the nodes still running at the
+end (0 when they all succeed), and a ``shardspeed: elastic job`` summary names every lost
+host.
 """
 
 from __future__ import annotations
@@ -127,11 +133,13 @@ def run_remote(
     prefix_output: bool = True,
     poll_interval_s: float = 0.1,
     grace_s: float = 10.0,
+    elastic: bool = False,
 ) -> int:
     """Start one process per ``(host, argv, env)`` and stream their output as ``host: line``.
 
     Returns 0 when every node exits 0. When one fails, the others are terminated and its
-    status is returned; SIGINT/SIGTERM terminate all and return ``128 + signal``.
+    status is returned; SIGINT/SIGTERM terminate all and return ``128 + signal``. With
+    ``elastic`` a failed node is reported lost and the others run on (module docstring).
     """
     lock = threading.Lock()
     procs: list[subprocess.Popen[str]] = []
@@ -158,7 +166,11 @@ def run_remote(
             pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, lock), daemon=True)
             pump.start()
             pumps.append(pump)
-        status = _supervise([host for host, _, _ in commands], procs, received, poll_interval_s)
+        hosts = [host for host, _, _ in commands]
+        if elastic:
+            status = _supervise_elastic(hosts, procs, received, poll_interval_s)
+        else:
+            status = _supervise(hosts, procs, received, poll_interval_s)
         _terminate(procs, grace_s)
     for pump in pumps:
         pump.join(timeout=5.0)
@@ -190,3 +202,41 @@ def _supervise(
         if all(code == 0 for code in codes):
             return 0
         time.sleep(poll_interval_s)
+
+
+def _supervise_elastic(
+    hosts: list[str],
+    procs: list[subprocess.Popen[str]],
+    received: list[int],
+    poll_interval_s: float,
+) -> int:
+    """Wait for every node; a node that fails is lost, not the end of the job."""
+    lost: dict[str, int] = {}
+    while True:
+        if received:
+            logger.warning("received signal %d; terminating all %d nodes", received[0], len(procs))
+            return 128 + received[0]
+        codes = [proc.poll() for proc in procs]
+        for host, code in zip(hosts, codes):
+            if code not in (None, 0) and host not in lost:
+                lost[host] = exit_status(code)
+                running = [h for h, c in zip(hosts, codes) if c is None]
+                logger.warning(
+                    "node %s lost (status %d); the elastic job continues on %s",
+                    host,
+                    lost[host],
+                    ", ".join(running) or "no node",
+                )
+        if all(code is not None for code in codes):
+            break
+        time.sleep(poll_interval_s)
+    finished = [h for h, c in zip(hosts, codes) if c == 0]
+    status = 0 if finished else max(lost.values())
+    lost_text = ", ".join(f"{h} (status {s})" for h, s in lost.items()) or "none"
+    (logger.warning if lost else logger.info)(
+        "shardspeed: elastic job %s on %s; lost host(s): %s",
+        "finished" if finished else "failed",
+        ", ".join(finished) or "no host",
+        lost_text,
+    )
+    return status

@@ -265,3 +265,32 @@ def _tail(path: Path, num_chars: int = 6000) -> str:
     except OSError as err:
         return f"(no log: {err})"
     return text[-num_chars:]
+
+
+def launcher_env(pair: TwoHosts, tmp: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for ``python -m shardspeed.launcher`` reaching the two hosts over the
+    fake ``ssh`` (``fake_ssh.sh``, first on ``PATH``); calls are logged to ``tmp/ssh.log``."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    shutil.copy(Path(__file__).parent / "fake_ssh.sh", bin_dir / "ssh")
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "tests" / "dist"), str(Path(__file__).parent)]
+        ),  # fmt: skip
+        "SS_FAKE_SSH_HOSTS": ";".join(
+            f"{h.addr}={h.netns}:{h.ifname}:{h.label}" for h in pair.hosts
+        ),
+        "SS_FAKE_SSH_LOG": str(tmp / "ssh.log"),
+        "SHARDSPEED_ACCELERATOR": "cpu",
+        "SHARDSPEED_COMM_TIMEOUT": "60",
+        "SHARDSPEED_RENDEZVOUS_TIMEOUT": "60",
+        **(extra or {}),
+    }
+
+
+def write_hostfile(pair: TwoHosts, tmp: Path) -> Path:
+    hostfile = tmp / "hostfile"
+    hostfile.write_text("".join(f"{h.addr} slots=1\n" for h in pair.hosts))
+    return hostfile

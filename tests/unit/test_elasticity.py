@@ -1,9 +1,8 @@
 """``shardspeed.elasticity`` (DeepSpeed 0.19.6's elastic batch search) and its config wiring.
 
-The golden tables were recorded by running DeepSpeed 0.19.6's own ``deepspeed/elasticity``
-code (pure Python, from the release's source tarball, with ``target_deepspeed_version``
-"0.19.6") on each block, so this test needs no DeepSpeed. ``GOLDEN_CONFIG`` is what
-DeepSpeed's ``DeepSpeedConfig`` wrote into the batch keys: the elastic batch, the micro
+``compute_elastic_config`` against DeepSpeed 0.19.6's recorded answers is
+``tests/unit/test_elasticity_goldens.py`` (goldens in ``tests/goldens/elasticity/``).
+``GOLDEN_CONFIG`` is what DeepSpeed's ``DeepSpeedConfig`` wrote into the batch keys: the elastic batch, the micro
 batch ``compute_elastic_config`` returned for the world size, and
 ``batch // (micro * world_size)`` accumulation steps.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,159 +30,6 @@ from shardspeed.elasticity import (
 )
 from shardspeed.elasticity.search import HCN_LIST, get_valid_gpus
 from shardspeed.utils import logging as ss_logging
-
-
-@dataclass(frozen=True)
-class Golden:
-    """One ``compute_elastic_config`` call and DeepSpeed 0.19.6's answer."""
-
-    name: str
-    world_size: int
-    return_microbatch: bool
-    env: str | None  # WORLD_SIZE in the environment
-    block: dict[str, Any]  # the elasticity block, without "enabled": true
-    batch: int
-    micro: int | None  # None: a 2-tuple was returned
-    valid: list[int]
-
-
-# fmt: off
-GOLDEN: list[Golden] = [
-    Golden("v01_default_micro", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "version": 0.1},
-           batch=1680, micro=None,
-           valid=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15, 20, 21, 24, 28, 30, 35, 40, 42, 56, 60,
-                 70, 84, 105, 120, 140, 168, 210, 280, 420, 840]),
-    Golden("v01_small", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 100, "micro_batch_sizes": [1, 2, 3], "version": 0.1},
-           batch=96, micro=None,
-           valid=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 96]),
-    Golden("v01_min_max_gpus", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 10000, "micro_batch_sizes": [8, 12, 16, 17], "min_gpus":
-                 32, "max_gpus": 1500, "version": 0.1},
-           batch=9792, micro=None,
-           valid=[32, 34, 36, 48, 51, 64, 68, 72, 96, 102, 136, 144, 153, 192, 204, 272, 288, 306,
-                 408, 576, 612, 816, 1224]),
-    Golden("v01_prefer_smaller", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6],
-                 "prefer_larger_batch": False, "version": 0.1},
-           batch=1680, micro=None,
-           valid=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15, 20, 21, 24, 28, 30, 35, 40, 42, 56, 60,
-                 70, 84, 105, 120, 140, 168, 210, 280, 420, 840]),
-    Golden("v01_world_4", world_size=4, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "version": 0.1},
-           batch=1680, micro=6,
-           valid=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15, 20, 21, 24, 28, 30, 35, 40, 42, 56, 60,
-                 70, 84, 105, 120, 140, 168, 210, 280, 420, 840]),
-    Golden("v01_world_7", world_size=7, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6], "version": 0.1},
-           batch=1680, micro=6,
-           valid=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 15, 20, 21, 24, 28, 30, 35, 40, 42, 56, 60,
-                 70, 84, 105, 120, 140, 168, 210, 280, 420, 840]),
-    Golden("v01_single_micro_equal_max", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 16, "micro_batch_sizes": [16], "version": 0.1},
-           batch=16, micro=None,
-           valid=[1]),
-    Golden("v01_big_lcm_skipped", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 50, "micro_batch_sizes": [7, 9, 11], "version": 0.1},
-           batch=42, micro=None,
-           valid=[1, 2, 3, 6]),
-    Golden("v01_return_micro_env", world_size=0, return_microbatch=True, env="8",
-           block={"max_train_batch_size": 512, "micro_batch_sizes": [4, 8], "version": 0.1},
-           batch=480, micro=4,
-           valid=[1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 24, 30, 40, 60, 120]),
-    Golden("v01_huge", world_size=0, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 5000000, "micro_batch_sizes": [1], "max_gpus": 64,
-                 "version": 0.1},
-           batch=720720, micro=None,
-           valid=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18, 20, 21, 22, 24, 26,
-                 28, 30, 33, 35, 36, 39, 40, 42, 44, 45, 48, 52, 55, 56, 60, 63]),
-    Golden("v02_world_8", world_size=8, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 2000, "micro_batch_sizes": [2, 4, 6],
-                 "num_gpus_per_node": 8},
-           batch=1920, micro=6,
-           valid=[8, 16, 24, 32, 40, 48, 64, 80, 96, 120, 160, 192, 240, 320, 480, 960]),
-    Golden("v02_world_16_mp2", world_size=16, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 4000, "micro_batch_sizes": [1, 2, 4],
-                 "num_gpus_per_node": 8, "model_parallel_size": 2, "min_gpus": 8, "max_gpus": 128},
-           batch=3360, micro=2,
-           valid=[4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 60]),
-    Golden("v02_world_not_in_list", world_size=12, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 1000, "micro_batch_sizes": [2, 3], "num_gpus_per_node":
-                 4, "min_gpus": 4, "max_gpus": 16},
-           batch=960, micro=2,
-           valid=[4, 8, 12, 16]),
-    Golden("v02_return_micro_env", world_size=0, return_microbatch=True, env="4",
-           block={"max_train_batch_size": 1024, "micro_batch_sizes": [2, 4, 8],
-                 "num_gpus_per_node": 4},
-           batch=960, micro=8,
-           valid=[4, 8, 12, 16, 20, 24, 32, 40, 48, 60, 80, 96, 120, 160, 240, 480]),
-    Golden("v02_return_micro_fallback_env", world_size=0, return_microbatch=True, env="6",
-           block={"max_train_batch_size": 1000, "micro_batch_sizes": [3, 5], "num_gpus_per_node":
-                 2, "prefer_larger_batch": False},
-           batch=720, micro=3,
-           valid=[2, 4, 6, 8, 10, 12, 16, 18, 20, 24, 30, 36, 40, 48, 60, 72, 80, 120, 144, 240]),
-    Golden("v02_default_version_world_2", world_size=2, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 256, "micro_batch_sizes": [4, 8, 16]},
-           batch=240, micro=8,
-           valid=[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60]),
-    Golden("v02_default_version_world_4", world_size=4, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 256, "micro_batch_sizes": [4, 8, 16]},
-           batch=240, micro=4,
-           valid=[1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60]),
-    Golden("v02_world_3_prefer_smaller", world_size=3, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 300, "micro_batch_sizes": [2, 5], "prefer_larger_batch":
-                 False},
-           batch=240, micro=5,
-           valid=[1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 16, 20, 24, 30, 40, 48, 60, 120]),
-    Golden("v02_env_pair", world_size=0, return_microbatch=False, env="6",
-           block={"max_train_batch_size": 96, "micro_batch_sizes": [2, 3]},
-           batch=96, micro=None,
-           valid=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]),
-    Golden("v02_fallback_world_6", world_size=6, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 1000, "micro_batch_sizes": [2, 3], "num_gpus_per_node":
-                 4, "min_gpus": 4, "max_gpus": 64},
-           batch=996, micro=2,
-           valid=[6]),
-    Golden("v02_fallback_prefer_smaller", world_size=12, return_microbatch=False, env=None,
-           block={"max_train_batch_size": 1000, "micro_batch_sizes": [4, 6], "num_gpus_per_node":
-                 8, "prefer_larger_batch": False},
-           batch=936, micro=6,
-           valid=[12]),
-]
-GOLDEN_ERRORS: list[tuple[str, type[Exception], int, dict[str, Any]]] = [
-    ("v02_fallback_mp2_world_3", ElasticityIncompatibleWorldSize, 3,
-     {"enabled": True, "max_train_batch_size": 500, "micro_batch_sizes": [4, 6],
-     "num_gpus_per_node": 4, "model_parallel_size": 2, "min_gpus": 4, "max_gpus": 64}),
-    ("err_v01_world_5", ElasticityIncompatibleWorldSize, 5,
-     {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [8], "version": 0.1}),
-    ("err_missing_max", ElasticityConfigError, 1,
-     {"enabled": True, "micro_batch_sizes": [2]}),
-    ("err_missing_micro", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8}),
-    ("err_micro_not_list", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": 4}),
-    ("err_micro_nonpositive", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2, 0]}),
-    ("err_min_gt_max", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2], "min_gpus": 8,
-     "max_gpus": 4}),
-    ("err_v01_mp", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2], "model_parallel_size":
-     2, "version": 0.1}),
-    ("err_version_too_new", ElasticityConfigError, 1,
-     {"enabled": True, "max_train_batch_size": 8, "micro_batch_sizes": [2], "version": 0.3}),
-    ("err_v02_gpn_mp", ElasticityError, 4,
-     {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2], "num_gpus_per_node":
-     6, "model_parallel_size": 4}),
-    ("err_v02_no_world", ElasticityConfigError, 0,
-     {"enabled": True, "max_train_batch_size": 64, "micro_batch_sizes": [2]}),
-    ("err_micro_gt_max", ValueError, 0,
-     {"enabled": True, "max_train_batch_size": 4, "micro_batch_sizes": [2, 8], "version": 0.1}),
-    ("err_disabled", ElasticityConfigError, 0,
-     {"enabled": False, "max_train_batch_size": 8, "micro_batch_sizes": [2]}),
-]
-# fmt: on
 
 GOLDEN_CONFIG = [
     # (block, dp world size, DeepSpeed's (train_batch_size, micro, grad_accum_steps))
@@ -221,42 +66,6 @@ def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCapture
 # ----------------------------------------------------------------------------------------------
 # compute_elastic_config against DeepSpeed 0.19.6
 # ----------------------------------------------------------------------------------------------
-
-
-def test_golden_table_is_varied():
-    assert len(GOLDEN) >= 15
-    versions = {case.block.get("version", 0.2) for case in GOLDEN}
-    assert versions == {0.1, 0.2}
-    assert any(case.micro is None for case in GOLDEN)
-    assert any(case.env is not None for case in GOLDEN)
-
-
-@pytest.mark.parametrize("case", GOLDEN, ids=lambda case: case.name)
-def test_compute_elastic_config_matches_deepspeed(case: Golden, monkeypatch: pytest.MonkeyPatch):
-    if case.env is not None:
-        monkeypatch.setenv("WORLD_SIZE", case.env)
-    result = compute_elastic_config(
-        {"elasticity": {"enabled": True, **case.block}},
-        "0.19.6",
-        world_size=case.world_size,
-        return_microbatch=case.return_microbatch,
-    )
-    expected = (
-        (case.batch, case.valid) if case.micro is None else (case.batch, case.valid, case.micro)
-    )
-    assert result == expected
-    assert type(result[0]) is int
-
-
-@pytest.mark.parametrize(
-    ("name", "error", "world_size", "block"), GOLDEN_ERRORS, ids=[e[0] for e in GOLDEN_ERRORS]
-)
-def test_errors_match_deepspeed(
-    name: str, error: type[Exception], world_size: int, block: dict[str, Any]
-):
-    with pytest.raises(error) as info:
-        compute_elastic_config({"elasticity": block}, "0.19.6", world_size=world_size)
-    assert "Fix:" in str(info.value), str(info.value)
 
 
 def test_error_types_keep_deepspeeds_hierarchy():
