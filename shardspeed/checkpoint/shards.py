@@ -323,13 +323,21 @@ def _load_fragments(
     index = manifest["index"]
     opt = engine.basic_optimizer if optimizer_states else None
     kinds = sorted({k for e in index.values() for k in e["kinds"]} - NON_OPTIMIZER_KINDS)
+    fragments = list(master_fragments(engine))
+    # state kinds per master: param groups may differ (Muon: momentum; its AdamW half: moments)
+    master_kinds: dict[int, set[str]] = {
+        id(m): set() for g in engine.flat_groups for m in g.masters
+    }
+    for frag, _ in fragments:
+        if frag.name in index:
+            master_kinds[id(frag.master)] |= set(index[frag.name]["kinds"]) - NON_OPTIMIZER_KINDS
     states: dict[int, dict[str, torch.Tensor]] = {
-        id(m): {k: torch.zeros_like(m) for k in kinds}
+        id(m): {k: torch.zeros_like(m) for k in sorted(master_kinds[id(m)])}
         for g in engine.flat_groups
         for m in g.masters
     }
     local = LocalReader(reader)  # reshards tensor-parallel parameters when the split differs
-    for frag, placement in master_fragments(engine):
+    for frag, placement in fragments:
         entry = index.get(frag.name)
         if entry is None or KIND_MASTER not in entry["kinds"]:
             raise ValueError(
@@ -349,7 +357,7 @@ def _load_fragments(
             local.fill(dest, entry, KIND_MASTER, frag.name, frag.start, placement)
             if opt is None:
                 continue
-            for kind in kinds:
+            for kind in sorted(master_kinds[id(frag.master)]):
                 if kind not in entry["kinds"]:
                     raise ValueError(f"checkpoint lacks optimizer state {kind!r} of {frag.name!r}")
                 dest = states[id(frag.master)][kind].view(-1)[span]

@@ -38,6 +38,7 @@ DEEPSPEED_OPTIMIZERS = (
     "OneBitAdam",
     "ZeroOneAdam",
     "OneBitLamb",
+    "Muon",
 )
 """Optimizer types ShardSpeed implements itself (plus every ``torch.optim`` optimizer)."""
 
@@ -160,7 +161,7 @@ class OptimizerConfig(ConfigModel):
 
     type: str = Field(
         description="Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lamb, Lion, "
-        "OneBitAdam, ZeroOneAdam, OneBitLamb, or any torch.optim class. Stored canonically."
+        "OneBitAdam, ZeroOneAdam, OneBitLamb, Muon, or any torch.optim class. Stored canonically."
     )
     params: dict[str, Any] = Field(
         default_factory=dict,

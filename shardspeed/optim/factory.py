@@ -12,6 +12,8 @@ DeepSpeed's mapping (case-insensitive ``type``):
   optimizers of :mod:`shardspeed.optim.onebit` (DeepSpeed's parameter names: ``freeze_step``,
   ``var_freeze_step``, ``coeff_beta``, ...); they average gradients themselves
   (``reduces_gradients``).
+* ``Muon`` -> :class:`~shardspeed.ops.muon.Muon` (AdamW for the ``use_muon=False``
+  groups; DeepSpeed's ``muon_lr``, ``adam_lr``, ``momentum``, ``ns_method``, ...).
 * ``Lamb`` -> :class:`~shardspeed.ops.lamb.Lamb`; ``Lion`` -> :class:`~shardspeed.ops.lion.Lion`
   (``DeepSpeedCPULion`` with offload); ``Adagrad`` -> ``torch.optim.Adagrad``
   (``DeepSpeedCPUAdagrad`` with offload); ``SGD`` and any other ``torch.optim`` class name
@@ -51,8 +53,8 @@ _ONEBIT_OPTIMIZERS: dict[str, str] = {
 }
 
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(
-    ["Adam", "AdamW", "Lamb", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
-    + sorted(n for n in _TORCH_OPTIMIZERS if n not in ("Adam", "AdamW"))
+    ["Adam", "AdamW", "Lamb", "Lion", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Muon"]
+    + sorted(n for n in _TORCH_OPTIMIZERS if n not in ("Adam", "AdamW", "Muon"))
 )
 """Built-in ``optimizer.type`` names (matched case-insensitively)."""
 
@@ -172,6 +174,10 @@ def _resolve(
         if kwargs.pop("amsgrad", False):
             raise ValueError("optimizer Lamb: amsgrad=true is not supported; remove the key.")
         return Lamb, kwargs
+    if key == "muon":  # masters on the host with offload: it gathers on the device
+        from shardspeed.ops.muon import Muon
+
+        return Muon, kwargs
     if key == "lion":
         from shardspeed.ops.lion import DeepSpeedCPULion
 

@@ -106,6 +106,10 @@ class ShardSpeedEngine(
         # 1. param groups; empty / frozen-only groups stay in the optimizer (schedulers and
         # checkpoints count groups, as in DeepSpeed) but hold no shard
         all_groups = collect_param_groups(model, optimizer, model_parameters)
+        if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
+            from shardspeed.ops.muon import split_muon_groups
+
+            all_groups = split_muon_groups(model, all_groups)  # Muon / AdamW halves
         all_groups = split_expert_groups(all_groups, isinstance(optimizer, torch.optim.Optimizer))
         groups = [g for g in all_groups if g["params"]]
         self._sharded_group_mask = [bool(g["params"]) for g in all_groups]

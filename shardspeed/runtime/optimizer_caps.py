@@ -9,7 +9,10 @@ Some optimizers need more than that, and say so by what they define:
 * ``set_param_segments()`` (LAMB, 1-bit LAMB): they compute per-parameter norms, so the
   engine tells them where each parameter sits in the flat masters (and over which ranks
   its other elements live when the masters are sharded);
-* neither and not elementwise (:func:`shardspeed.optim.is_elementwise`): refused, since
+* ``set_matrix_layout()`` (Muon): it orthogonalises whole matrices, so the engine tells
+  it where each parameter's fragment sits and its shape, and which ranks hold the rest of
+  each bucket (it gathers them); stages 0-2 only;
+* none of these and not elementwise (:func:`shardspeed.optim.is_elementwise`): refused, since
   an update of a flat 1/N shard would differ from the update of whole tensors.
 
 :class:`OptimizerCaps` records those answers once; :meth:`OptimizerCaps.connect` checks
@@ -47,6 +50,7 @@ class OptimizerCaps:
     name: str  # class name, for messages ("" without an optimizer)
     reduces_gradients: bool  # averages its own gradients (1-bit family): local grads
     per_param_segments: bool  # has set_param_segments(): per-parameter norms on flat masters
+    whole_matrices: bool  # has set_matrix_layout(): Muon's per-matrix Newton-Schulz
     elementwise: bool  # each element's update depends only on that element
     fused_adam: bool  # DeepSpeed would step it as FusedAdam (picks the MoE clipping norm)
 
@@ -60,6 +64,7 @@ class OptimizerCaps:
             name="" if optimizer is None else type(optimizer).__name__,
             reduces_gradients=bool(getattr(optimizer, "reduces_gradients", False)),
             per_param_segments=hasattr(optimizer, "set_param_segments"),
+            whole_matrices=hasattr(optimizer, "set_matrix_layout"),
             elementwise=optimizer is None or is_elementwise(optimizer),
             fused_adam=uses_fused_adam(optimizer, config_optimizer),
         )
@@ -67,7 +72,7 @@ class OptimizerCaps:
     @property
     def supported(self) -> bool:
         """Whether the engine can step it over flat (possibly sharded) masters."""
-        return self.elementwise or self.per_param_segments
+        return self.elementwise or self.per_param_segments or self.whole_matrices
 
     def grad_reduction(self, axis: ShardAxis, average_over: int) -> GradReduction:
         """The communication seam: an optimizer that reduces by itself gets local grads.
@@ -89,6 +94,13 @@ class OptimizerCaps:
                 f"optimizer {self.name} computes per-parameter norms, which tensor-"
                 "parallel shards would need summed over the tensor axis (not implemented). "
                 "Fix: use an elementwise optimizer (Adam, AdamW, SGD, Lion) with tensor_parallel."
+            )
+        if self.whole_matrices and (stage >= 3 or tensor_parallel):
+            raise ValueError(
+                f"optimizer {self.name} orthogonalises whole matrices; Muon at ZeRO-3 or with "
+                f"tensor parallelism is not yet supported in ShardSpeed (got zero_optimization."
+                f"stage={stage}, tensor parallel={tensor_parallel}). Fix: use "
+                "zero_optimization.stage 0, 1 or 2 without tensor_parallel, or AdamW."
             )
         if not self.supported:
             raise ValueError(
@@ -118,6 +130,15 @@ class OptimizerCaps:
             optimizer.set_param_segments(
                 *param_segments(sharding.groups, shard_axes, sharded_group_mask, sharded)
             )
+        if self.whole_matrices:
+            if sharding.ctx.offload.optimizer_swapper is not None:
+                raise ValueError(
+                    f"optimizer {self.name} gathers whole matrices across each bucket, which "
+                    "the NVMe optimizer swapper does not hold. Fix: use zero_optimization."
+                    'offload_optimizer.device "cpu" or "none" with Muon.'
+                )
+            layout, gather_groups = matrix_layout(sharding.groups, shard_axes, sharded_group_mask)
+            optimizer.set_matrix_layout(layout, gather_groups, sharding.ctx.device)
 
 
 def param_segments(
@@ -148,6 +169,34 @@ def param_segments(
         groups.append(axis.group if sharded and axis.size > 1 else None)
         counts.append(len(group.params))
     return segments, groups, counts
+
+
+def matrix_layout(
+    flat_groups: Sequence[Any], shard_axes: Sequence[ShardAxis], sharded_group_mask: Sequence[bool]
+) -> tuple[list[list[list[tuple[int, int, int, list[int], int]]]], list[Any]]:
+    """Per optimizer param group, per master: ``(local, length, start, shape,
+    bucket_offset)`` of each parameter fragment (``bucket_offset``: where the parameter
+    starts in its whole bucket, this rank's shard being slice ``axis.rank`` of it), and
+    the process group holding the bucket's other slices (None when not sharded)."""
+    layout: list[list[list[tuple[int, int, int, list[int], int]]]] = []
+    gather: list[Any] = []
+    sharded_groups = iter(zip(flat_groups, shard_axes))
+    for has_shard in sharded_group_mask:
+        if not has_shard:
+            layout.append([])
+            gather.append(None)
+            continue
+        group, axis = next(sharded_groups)
+        shard_rank, shard_world = 0, 1  # this rank's slice of every bucket of the group
+        for bucket_layout, rank, *_ in group.layouts():
+            shard_rank, shard_world = rank, bucket_layout.shard_world_size
+        per_master: list[list[tuple[int, int, int, list[int], int]]] = [[] for _ in group.masters]
+        for f in param_fragments(group):
+            offset = shard_rank * group.masters[f.master_index].numel() + f.local - f.start
+            per_master[f.master_index].append((f.local, f.length, f.start, list(f.shape), offset))
+        layout.append(per_master)
+        gather.append(axis.group if shard_world > 1 else None)
+    return layout, gather
 
 
 def takes_initial_zero_grad_step(

@@ -236,6 +236,47 @@ def test_onebit_lamb_compression_stage_runs_single_process() -> None:
     assert all(torch.isfinite(p).all() for p in params)
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_onebit_lamb_frozen_trust_ratio_is_bias_corrected(bias_correction: bool) -> None:
+    """Issue 31: the trust-ratio EMA starts at 0, so after a 10-step warm-up it holds
+    1 - 0.9**10 = 0.65 of the ratio. With bias_correction the compression stage divides
+    that out (the first compressed coefficient is corrected EMA * factor, factor starting
+    within 10% of 1); without it the raw EMA applies, as in DeepSpeed 0.19.6."""
+    params = _tensors(12)
+    opt = OnebitLamb(params, lr=1e-2, freeze_step=10, bias_correction=bias_correction)
+    _run(opt, params, 10, seed=13)
+    group = opt.param_groups[0]
+    emas = [c[0] for c in group["lamb_coeff_freeze"]]
+    assert [c[0] for c in group["lamb_coeff_count"]] == [10.0, 10.0]
+    _run(opt, params, 1, seed=14)
+    factors = [f[0] for f in group["last_factor"]]
+    expected = [
+        ema / (1 - 0.9**10 if bias_correction else 1.0) * f for ema, f in zip(emas, factors)
+    ]
+    torch.testing.assert_close(opt.get_lamb_coeffs(), expected, rtol=1e-12, atol=0)
+    assert all(0.9 <= f <= 1.1 for f in factors)
+
+
+def test_onebit_lamb_warns_short_freeze_step_once(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from shardspeed.utils import logging as ss_logging
+
+    ss_logging._once.cache_clear()
+    logger = logging.getLogger("shardspeed")  # does not propagate: attach caplog's handler
+    logger.addHandler(caplog.handler)
+    try:
+        OnebitLamb(_tensors(15), freeze_step=10)
+        OnebitLamb(_tensors(15), freeze_step=10)
+        OnebitLamb(_tensors(15), freeze_step=50)  # 50 * (1 - 0.9) = 5: long enough
+    finally:
+        logger.removeHandler(caplog.handler)
+        ss_logging._once.cache_clear()
+    hits = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(hits) == 1
+    assert "OneBitLamb: freeze_step=10" in hits[0] and "freeze_step >= 50" in hits[0]
+
+
 def test_state_dict_round_trips_error_buffers() -> None:
     params = _tensors(5)
     opt = OnebitAdam(params, lr=1e-2, freeze_step=1)

@@ -4,7 +4,8 @@ LAMB scales each parameter's Adam update by a trust ratio ``||p|| / ||u||``. 1-b
 
 ```
 warm-up      t <= freeze_step: LAMB on the full-precision average of the gradients;
-             per parameter, coeff_freeze = EMA(coeff_beta) of the clamped trust ratios;
+             per parameter, coeff_freeze = EMA(coeff_beta) of the clamped trust ratios
+             (started at 0; divided by 1 - coeff_beta^k after k updates if bias_correction);
              at t == freeze_step v_fresh = v (a copy that keeps learning)
 compression  t > freeze_step, v frozen:
              once: s_i = ||m_i|| / sqrt(n_i), c_i = mean_j(s_j) / s_i    (momentum scaling)
@@ -20,11 +21,13 @@ compression  t > freeze_step, v frozen:
 The per-parameter quantities need parameter boundaries inside the engine's flat buckets:
 the engine hands them over with :meth:`OnebitLamb.set_param_segments`. Without them each
 bucket counts as one parameter (and a warning says so). The per-parameter scalars live in
-the param groups (``lamb_coeff_freeze``, ``last_factor``, ``scaling_coeff``: one list per
-master, one value per segment), which checkpoints store per rank.
+the param groups (``lamb_coeff_freeze``, ``lamb_coeff_count``, ``last_factor``,
+``scaling_coeff``: one list per master, one value per segment), which checkpoints store per rank.
 
 Differences from DeepSpeed 0.19.6: no dummy first step; ``bias_correction`` honoured (as
-:class:`~shardspeed.ops.lamb.Lamb`, which the warm-up equals); the momentum is compressed
+:class:`~shardspeed.ops.lamb.Lamb`, which the warm-up equals), including the frozen trust
+ratio: its EMA starts at 0, so it is divided by ``1 - coeff_beta ** updates`` (DeepSpeed
+keeps 0.65 of the ratio after a 10-step warm-up); the momentum is compressed
 per bucket rather than as one flat buffer of all parameters; a zero momentum scale gives
 the coefficient 1 instead of a division by zero.
 """
@@ -38,12 +41,14 @@ from typing import Any
 import torch
 
 from shardspeed.optim.onebit.common import Key, OnebitOptimizer
-from shardspeed.utils.logging import get_logger
+from shardspeed.utils.logging import get_logger, warning_once
 
 logger = get_logger(__name__)
 
+SHORT_WARMUP_STEPS = 5  # freeze_step * (1 - coeff_beta) below this: warned (docs/onebit.md)
+
 Segment = tuple[int, int]  # (offset, numel) of one parameter inside a master
-_PER_SEGMENT_KEYS = ("lamb_coeff_freeze", "last_factor", "scaling_coeff")
+_PER_SEGMENT_KEYS = ("lamb_coeff_freeze", "lamb_coeff_count", "last_factor", "scaling_coeff")
 
 
 class OnebitLamb(OnebitOptimizer):
@@ -115,6 +120,19 @@ class OnebitLamb(OnebitOptimizer):
         self.factor_max = float(factor_max)
         self.factor_min = float(factor_min)
         self.factor_threshold = float(factor_threshold)
+        long_enough = math.ceil(round(SHORT_WARMUP_STEPS / (1.0 - self.coeff_beta), 6))
+        if 0 < self.freeze_step < long_enough:
+            warning_once(
+                f"OneBitLamb: freeze_step={self.freeze_step} is short for coeff_beta="
+                f"{self.coeff_beta}: the frozen trust ratios and variance come from "
+                f"{self.freeze_step} steps. Measured on 2-rank MLP regressions, freeze_step 10 "
+                "ended at 0.77x-1.34x uncompressed LAMB's loss (DeepSpeed 0.19.6's OneBitLamb: "
+                "0.55x-1.13x; docs/onebit.md, 'Short warm-ups'). Fix: "
+                f"freeze_step >= {long_enough} "
+                "(DeepSpeed's guidance: freeze_step >= 1 / (1 - coeff_beta), BERT used "
+                "thousands).",
+                __name__,
+            )
         super().__init__(
             params,
             defaults,
@@ -167,7 +185,7 @@ class OnebitLamb(OnebitOptimizer):
 
     def _per_segment(self, group: dict[str, Any], name: str, pi: int, count: int, fill: float):
         """``group[name][pi]``: a list of ``count`` floats, (re)built with ``fill`` if absent."""
-        table = group[name]
+        table = group.setdefault(name, [])  # absent from checkpoints saved before the key
         while len(table) < len(group["params"]):
             table.append([])
         if len(table[pi]) != count:
@@ -232,6 +250,7 @@ class OnebitLamb(OnebitOptimizer):
             update.add_(p, alpha=group["weight_decay"])
         segs = self.segments(key, p)
         frozen = self._per_segment(group, "lamb_coeff_freeze", key[1], len(segs), 0.0)
+        counts = self._per_segment(group, "lamb_coeff_count", key[1], len(segs), 0.0)
         norms = _segment_norms([p, update], segs)  # (2, num_segments)
         for s, ((offset, numel), (w_norm, u_norm)) in enumerate(zip(segs, norms.T.tolist())):
             coeff = 1.0
@@ -239,6 +258,7 @@ class OnebitLamb(OnebitOptimizer):
                 coeff = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
             if coeff != 1.0:
                 frozen[s] = self.coeff_beta * frozen[s] + (1.0 - self.coeff_beta) * coeff
+                counts[s] += 1.0
             self._lamb_coeffs.append(coeff)
             p.narrow(0, offset, numel).add_(
                 update.narrow(0, offset, numel), alpha=-group["lr"] * coeff
@@ -276,6 +296,7 @@ class OnebitLamb(OnebitOptimizer):
         scaling = self._per_segment(group, "scaling_coeff", key[1], len(segs), 1.0)
         last = self._per_segment(group, "last_factor", key[1], len(segs), 1.0)
         frozen = self._per_segment(group, "lamb_coeff_freeze", key[1], len(segs), 0.0)
+        counts = self._per_segment(group, "lamb_coeff_count", key[1], len(segs), 0.0)
 
         previous = exp_avg.clone()
         exp_avg.mul_(beta1).add_(p.grad, alpha=1.0 - beta1)
@@ -308,11 +329,20 @@ class OnebitLamb(OnebitOptimizer):
             factor = min(factor, last[s] * (1.0 + self.factor_threshold))
             factor = max(factor, last[s] * (1.0 - self.factor_threshold))
             last[s] = factor
-            coeff = frozen[s] * factor
+            coeff = self._frozen_coeff(frozen[s], counts[s], group) * factor
             self._lamb_coeffs.append(coeff)
             p.narrow(0, offset, numel).add_(
                 update.narrow(0, offset, numel), alpha=-group["lr"] * coeff
             )
+
+    def _frozen_coeff(self, ema: float, count: float, group: dict[str, Any]) -> float:
+        """The warm-up trust ratio frozen for the compression stage: the EMA (started at
+        0) divided by ``1 - coeff_beta ** count`` when ``bias_correction`` is set, as Adam
+        corrects its moments. DeepSpeed uses the raw EMA, which after ``freeze_step`` steps
+        holds only ``1 - coeff_beta ** freeze_step`` of the ratio (0.65 at 10 steps)."""
+        if not group["bias_correction"] or count <= 0:
+            return ema
+        return ema / (1.0 - self.coeff_beta**count)
 
 
 def _segment_norms(tensors: list[torch.Tensor], segs: list[Segment]) -> torch.Tensor:
