@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from shardspeed.config.base import ConfigError, ConfigModel, Int, explain, one_of
 from shardspeed.utils.logging import warning_once
@@ -90,7 +90,9 @@ class DeepSpeedInferenceConfig(ConfigModel):
     triton_autotune: bool = Field(False, description="Refused when true: no Triton kernels.")
     zero: dict[str, Any] = Field(default_factory=dict, description="Refused: ZeRO-Inference.")
     triangular_masking: bool = Field(True, description="Causal attention (False is refused).")
-    moe: bool | dict[str, Any] = Field(default_factory=dict, description="Refused: MoE kernels.")
+    moe: bool | dict[str, Any] = Field(
+        default_factory=dict, description="Expert-parallel serving of shardspeed.moe layers."
+    )
     keep_module_on_host: bool = Field(False, description="Do not move the model to the device.")
     quant: dict[str, Any] = Field(default_factory=dict, description="Weight quantization block.")
     checkpoint: str | dict[str, Any] | None = Field(
@@ -115,11 +117,14 @@ class DeepSpeedInferenceConfig(ConfigModel):
     transposed_mode: bool = Field(False, description="Refused when true (kernel layout).")
     mp_size: Int | None = Field(None, ge=1, description="Deprecated tensor_parallel.tp_size.")
     mpu: Any = Field(None, description="Deprecated tensor_parallel.mpu.")
-    ep_size: Int = Field(1, ge=1, description="Refused when > 1 (MoE).")
-    ep_group: Any = Field(None, description="Refused when set (MoE).")
-    ep_mp_group: Any = Field(None, description="Refused when set (MoE).")
-    moe_experts: list[int] = Field(default_factory=lambda: [1], description="Refused (MoE).")
-    moe_type: str = Field("standard", description="Refused when not 'standard' (MoE).")
+    ep_size: Int = Field(1, ge=1, description="Deprecated moe.ep_size.")
+    ep_group: Any = Field(None, description="Deprecated moe.ep_group (refused when set).")
+    ep_mp_group: Any = Field(None, description="Deprecated moe.ep_mp_group (refused when set).")
+    moe_experts: list[int] = Field(
+        default_factory=lambda: [1], description="Deprecated moe.moe_experts."
+    )
+    moe_type: str = Field("standard", description="Deprecated moe.type.")
+    _moe: Any = PrivateAttr(None)  # the resolved moe block (see moe_config)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -200,6 +205,9 @@ class DeepSpeedInferenceConfig(ConfigModel):
         for key, bad, why in self._refused():
             if bad:
                 raise ConfigError.at(key, why)
+        from shardspeed.inference.moe_config import resolve_moe_config
+
+        self._moe = resolve_moe_config(self)  # ConfigError on a bad moe block
         if self.min_out_tokens > self.max_out_tokens:
             raise ConfigError.at(
                 "min_out_tokens",
@@ -227,7 +235,6 @@ class DeepSpeedInferenceConfig(ConfigModel):
 
     def _refused(self) -> list[tuple[str, bool, str]]:
         zero_on = bool(self.zero) and self.zero != {"stage": 0}
-        moe_on = bool(self.moe) if isinstance(self.moe, bool) else bool(self.moe.get("enabled"))
         return [
             ("enable_cuda_graph", self.enable_cuda_graph, explain(
                 "CUDA-graph capture is not supported by ShardSpeed's init_inference (on CPU "
@@ -247,15 +254,6 @@ class DeepSpeedInferenceConfig(ConfigModel):
             ("triangular_masking", not self.triangular_masking, explain(
                 "only causal (triangular) attention is supported: the wrapped causal LM's "
                 "outputs would change otherwise", False, fix="remove it")),
-            ("moe", moe_on, explain(
-                "DeepSpeed-MoE inference kernels are not supported", self.moe,
-                fix="remove it; MoE models run unchanged without the moe block")),
-            ("ep_size", self.ep_size > 1, explain(
-                "expert parallelism is not supported by init_inference", self.ep_size)),
-            ("ep_group", self.ep_group is not None, "expert parallelism is not supported."),
-            ("ep_mp_group", self.ep_mp_group is not None, "expert parallelism is not supported."),
-            ("moe_experts", self.moe_experts != [1], "MoE inference kernels are not supported."),
-            ("moe_type", self.moe_type != "standard", "MoE inference kernels are not supported."),
             ("set_empty_params", self.set_empty_params, explain(
                 "empty (meta) module creation is not supported", True,
                 fix="build the model normally; checkpoint tensors are sliced per rank at load")),
@@ -281,6 +279,12 @@ class DeepSpeedInferenceConfig(ConfigModel):
                 "is a DeepSpeed kernel weight layout with no meaning here", True,
                 fix="remove it")),
         ]  # fmt: skip
+
+    @property
+    def moe_config(self) -> Any:
+        """The ``moe`` block (deprecated top-level keys merged in) as an
+        :class:`~shardspeed.inference.moe_config.InferenceMoEConfig`."""
+        return self._moe
 
     @property
     def tp_size(self) -> int:

@@ -4,6 +4,7 @@
 
     config   = DeepSpeedInferenceConfig(config dict | JSON path, then **kwargs on top)
     shard:     tensor_parallel.tp_size > 1 -> AutoTP (or injection_policy), full logits
+    moe:       moe.enabled -> check the MoE layers' layout, join groups, no token dropping
     dtype:     model.to(config.dtype)
     load:      checkpoint -> full tensors sliced into this rank's shards
     inject:    replace_with_kernel_inject -> fused QKV / rotary + SDPA / gate-up MLP
@@ -50,6 +51,10 @@ def init_inference(
         group = shard_for_inference(model, cfg.tp_size, group, cfg.injection_policy).group
     elif cfg.injection_policy is not None:
         logger.info("init_inference: injection_policy has nothing to split at tp_size 1.")
+    if cfg.moe_config.enabled:  # shardspeed.moe layers over their expert group, no dropping
+        from shardspeed.inference.moe_serving import prepare_moe_inference
+
+        prepare_moe_inference(model, cfg.moe_config, cfg.tp_size)
     model.to(cfg.dtype)
     if cfg.checkpoint_source is not None:
         from shardspeed.inference.checkpoint import load_checkpoint

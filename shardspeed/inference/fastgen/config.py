@@ -11,6 +11,8 @@ from shardspeed.inference.fastgen.attention import ATTENTION_BACKENDS
 from shardspeed.inference.fastgen.offload_config import OffloadConfig
 from shardspeed.inference.fastgen.scheduler import SCHEDULER_POLICIES
 
+PIPELINE_SCHEDULES = ("inflight", "naive")  # see EngineConfig.pipeline_schedule
+
 
 @dataclass
 class EngineConfig:
@@ -53,6 +55,23 @@ class EngineConfig:
             use (see :mod:`~shardspeed.inference.fastgen.offload`).
         tensor_parallel: tensor-parallel degree; > 1 shards the model over that many
             ranks (the caller's process plus spawned workers), token-identical to 1.
+        expert_parallel: expert-parallel degree of an MoE model; > 1 keeps
+            ``num_experts / E`` experts per rank (dense parts replicated, tokens moved by
+            all-to-all), token-identical to 1 (see
+            :mod:`~shardspeed.inference.fastgen.expert_parallel`).
+        expert_parallel_dispatch: how routed tokens move between expert ranks:
+            ``"all_to_all"`` (dispatch / combine, DeepSpeed-MoE's) or ``"all_gather"``
+            (one collective per layer: fewer round trips, more bytes).
+        pipeline_parallel: pipeline stages; > 1 splits the layers over that many ranks
+            (the caller's process is stage 0), token-identical to 1 (see
+            :mod:`~shardspeed.inference.fastgen.pipeline_parallel`).
+        pipeline_schedule: with ``pipeline_parallel > 1``: ``"inflight"`` keeps P
+            micro-batches in flight (no stage waits in steady decoding); ``"naive"``
+            runs one at a time (for comparison).
+        kv_cache_dtype: ``"auto"`` (the KV in ``dtype``), ``"int8"`` or ``"fp8"``
+            (e4m3, where torch has it): quantized KV with one fp16 scale per token
+            and KV head, ~2x the tokens of a bf16 cache in the same memory (see
+            :mod:`~shardspeed.inference.fastgen.kv_quant`); torch attention only.
     """
 
     block_size: int | None = None
@@ -71,6 +90,11 @@ class EngineConfig:
     compile_decode: bool | str | None = None
     offload: Any = None
     tensor_parallel: int = 1
+    expert_parallel: int = 1
+    expert_parallel_dispatch: str = "all_to_all"
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "inflight"
+    kv_cache_dtype: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -94,10 +118,26 @@ class EngineConfig:
         positive("max_ragged_sequence_count", self.max_ragged_sequence_count, False)
         positive("max_seq_len", self.max_seq_len, True)
         positive("tensor_parallel", self.tensor_parallel, False)
+        positive("expert_parallel", self.expert_parallel, False)
+        other = {"tensor_parallel": self.tensor_parallel,
+                 "pipeline_parallel": getattr(self, "pipeline_parallel", 1)}  # fmt: skip
+        for name, degree in other.items():
+            if self.expert_parallel > 1 and degree > 1:
+                raise ValueError(
+                    f"EngineConfig.expert_parallel={self.expert_parallel} with {name}={degree} "
+                    "is not supported yet (expert parallelism replicates the dense parts); use "
+                    "one of the two."
+                )
+        positive("pipeline_parallel", self.pipeline_parallel, False)
         if self.scheduler not in SCHEDULER_POLICIES:
             raise ValueError(
                 f"EngineConfig.scheduler={self.scheduler!r} is not supported; "
                 f"choose one of {SCHEDULER_POLICIES}."
+            )
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(
+                f"EngineConfig.pipeline_schedule={self.pipeline_schedule!r} is not supported; "
+                f"choose one of {PIPELINE_SCHEDULES}."
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -111,6 +151,30 @@ class EngineConfig:
 
             self.quantization = WeightQuantConfig.parse(self.quantization)
         self._validate_offload()
+        self._validate_kv_cache_dtype()
+
+    def _validate_kv_cache_dtype(self) -> None:
+        """A quantized KV cache is read by the single-process torch attention path only."""
+        from shardspeed.inference.fastgen.kv_quant import storage_dtype
+
+        if self.kv_cache_dtype == "auto":
+            return
+        storage_dtype(self.kv_cache_dtype)  # ValueError for unknown / unavailable dtypes
+        for name, ok in (
+            ("compile_decode", (None, False)),
+            ("attention_backend", ("auto", "torch")),
+            ("tensor_parallel", (1,)),
+            ("expert_parallel", (1,)),
+            ("pipeline_parallel", (1,)),
+        ):
+            value = getattr(self, name)
+            if value not in ok:
+                raise ValueError(
+                    f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} cannot be combined with "
+                    f"{name}={value!r} yet (only the single-process torch attention path reads a "
+                    f"quantized cache); use {name}={ok[0]!r} or kv_cache_dtype='auto'."
+                )
+        self.attention_backend = "torch"
 
     def _validate_offload(self) -> None:
         """Parse ``offload`` into an :class:`OffloadConfig` (None when disabled)."""

@@ -29,7 +29,9 @@ import torch
 from shardspeed.inference.fastgen.attention import select_backend
 from shardspeed.inference.fastgen.block_pool import BlockPool
 from shardspeed.inference.fastgen.config import EngineConfig
-from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec, resolve_num_blocks
+from shardspeed.inference.fastgen.expert_parallel import start_expert_parallel
+from shardspeed.inference.fastgen.kv_cache import KVCacheSpec, resolve_num_blocks
+from shardspeed.inference.fastgen.kv_quant import make_kv_cache
 from shardspeed.inference.fastgen.loader import build_model, resolve_tokenizer
 from shardspeed.inference.fastgen.logprobs import record_prompt_logprobs, sampled_logprobs
 from shardspeed.inference.fastgen.model_runner import ModelRunner
@@ -40,6 +42,7 @@ from shardspeed.inference.fastgen.request import Request, sample_request_ids
 from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
+from shardspeed.inference.fastgen.structured import GuideFactory, apply_guides
 from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError, start_tensor_parallel
 from shardspeed.utils.logging import get_logger, warning_once
 
@@ -77,16 +80,26 @@ class InferenceEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         cfg = self.config
+        if cfg.pipeline_parallel > 1:
+            raise ValueError(
+                f"EngineConfig.pipeline_parallel={cfg.pipeline_parallel} needs the pipeline "
+                "engine: use InferenceEngine.from_pretrained(..., pipeline_parallel=P), "
+                "pipeline(model, pipeline_parallel=P) or PipelineInferenceEngine."
+            )
         self.device = cfg.resolved_device()
         # tensor_parallel > 1: workers spawn now and load their shards while this one loads
-        self.peers = start_tensor_parallel(model, cfg, self.device)
+        # (expert_parallel > 1: their experts; same process machinery)
+        self.peers = start_tensor_parallel(model, cfg, self.device) or start_expert_parallel(
+            model, cfg, self.device
+        )
         shard = self.peers.shard if self.peers is not None else NO_SHARD
         # with offload the model is built (and quantized, for self.device) on the host and
         # the streamer moves only the resident parts: the device never holds all weights
         load_device = torch.device("cpu") if cfg.offload is not None else self.device
         self.model, self.model_config = build_model(
-            model, cfg.dtype, load_device, cfg.quantization, shard, target_device=self.device
-        )
+            model, cfg.dtype, load_device, cfg.quantization, shard, target_device=self.device,
+            prepare=getattr(self.peers, "prepare_model", None),  # expert parallel: its experts
+        )  # fmt: skip
         from shardspeed.inference.fastgen.offload import enable_weight_offload
 
         # ZeRO-Inference: decoder layers stream in from cfg.offload's store (None: all resident)
@@ -99,15 +112,16 @@ class InferenceEngine:
         block_size = cfg.block_size or (64 if self.device.type == "cuda" else 16)
         m = self.model
         spec = KVCacheSpec(
-            m.num_layers, m.num_kv_heads, m.head_dim, block_size, next(m.parameters()).dtype
-        )
+            m.num_layers, m.num_kv_heads, m.head_dim, block_size, next(m.parameters()).dtype,
+            cfg.kv_cache_dtype,
+        )  # fmt: skip
         max_useful_tokens = cfg.max_ragged_sequence_count * self.max_seq_len
         num_blocks = resolve_num_blocks(
             spec, self.device, cfg.num_blocks, cfg.kv_cache_memory, max_useful_tokens
         )
         backend = select_backend(cfg.attention_backend, self.device, block_size, spec.dtype)
         if self.peers is None:
-            self.kv_cache = KVCache(spec, num_blocks, self.device)
+            self.kv_cache = make_kv_cache(spec, num_blocks, self.device)  # int8 / fp8 too
         else:  # every rank allocates the same blocks of its own KV heads
             self.kv_cache = self.peers.connect(spec, num_blocks, backend)
         self.block_pool = BlockPool(num_blocks, block_size, cfg.enable_prefix_caching)
@@ -130,6 +144,7 @@ class InferenceEngine:
         if tok_eos is not None and tok_eos not in eos:
             eos.append(int(tok_eos))
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_seq_len)
+        self.guides = GuideFactory(tokenizer, m.vocab_size, eos)  # structured output
         self._requests: dict[str, Request] = {}  # unfinished requests by (sample) id
         self._unforked: dict[str, Request] = {}  # sample id -> request it forks from
         self._pending: list[RequestOutput] = []  # aborted outputs for the next step()
@@ -148,6 +163,10 @@ class InferenceEngine:
         :class:`EngineConfig` fields.
         """
         config = EngineConfig.from_kwargs(**config_kwargs)
+        if config.pipeline_parallel > 1 and cls is InferenceEngine:
+            from shardspeed.inference.fastgen.pipeline_parallel import PipelineInferenceEngine
+
+            cls = PipelineInferenceEngine
         return cls(model_or_path, resolve_tokenizer(model_or_path, tokenizer), config)
 
     def _resolve_max_seq_len(self) -> int:
@@ -217,6 +236,8 @@ class InferenceEngine:
         if busy:
             raise ValueError(f"request_id={busy[0]!r} is already in use by an unfinished request.")
         req = Request(sample_ids[0], token_ids, params)
+        if params.structured_output is not None:  # compile errors raise before queueing
+            req.guide = self.guides.new_guide(params.structured_output)
         req.fork_ids = sample_ids[1:]
         if params.min_tokens:
             eos = [] if params.ignore_eos else sorted(self.output_processor.eos_token_ids)
@@ -304,6 +325,7 @@ class InferenceEngine:
         self.scheduler.commit(batch)
         logits, sampled = self._sampling_rows(logits, batch, outputs)  # [M, V], one per request
         logits, sampled = self._fork_samples(logits, sampled)  # n / best_of samples join here
+        logits = apply_guides(logits, sampled)  # structured output: disallowed ids -> -inf
         tokens = self._sample(logits, sampled, outputs)  # None where sampling failed
         now = time.perf_counter()
         for row, (req, token) in enumerate(zip(sampled, tokens)):
@@ -312,7 +334,11 @@ class InferenceEngine:
             try:
                 if req.params.needs_logprobs:
                     self._record_logprob(req, logits[row : row + 1], token)  # [1, V]
+                if req.guide is not None:
+                    req.guide.accept(token)
                 reason = self.output_processor.append(req, token, now)
+                if reason is None and req.guide is not None and req.guide.is_finished:
+                    reason = "stop"  # the grammar is complete
             except Exception as exc:  # a detokenizer or stop-check failure of this request
                 self._fail(req, exc, outputs)
                 continue

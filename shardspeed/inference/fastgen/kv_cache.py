@@ -26,23 +26,22 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # compute dtype (and storage dtype when cache_dtype is "auto")
+    cache_dtype: str = "auto"  # "int8" / "fp8": quantized storage (see kv_quant.py)
 
     @property
     def dtype_bytes(self) -> int:
+        """Bytes of one stored K or V element (1 when quantized)."""
+        if self.cache_dtype != "auto":
+            return 1
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V of one block across all layers."""
-        return (
-            2
-            * self.num_layers
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_dim
-            * self.dtype_bytes
-        )
+        """K and V of one block across all layers (with a quantized cache's fp16 scales:
+        one per token and KV head)."""
+        per_head = self.head_dim * self.dtype_bytes + (2 if self.cache_dtype != "auto" else 0)
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * per_head
 
 
 # Default KV budget: this fraction of free memory, capped (see resolve_num_blocks).
@@ -134,7 +133,10 @@ def resolve_num_blocks(
         "KV cache: %s; bytes per block = 2 * %d layers * %d block_size * %d kv_heads * "
         "%d head_dim * %d B (%s) = %d B -> num_blocks = %d = %s, %d token slots",
         how, spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim,
-        spec.dtype_bytes, str(spec.dtype).replace("torch.", ""), per_block, num_blocks,
+        spec.dtype_bytes,
+        spec.cache_dtype + " + fp16 scales" if spec.cache_dtype != "auto"
+        else str(spec.dtype).replace("torch.", ""),
+        per_block, num_blocks,
         _gib(num_blocks * per_block), num_blocks * spec.block_size,
     )  # fmt: skip
     return num_blocks

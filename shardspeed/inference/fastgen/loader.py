@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,12 @@ def _unused_all_reduce(x: torch.Tensor) -> torch.Tensor:
     raise AssertionError("check_shardable builds on the meta device and never runs a forward")
 
 
+def meta_model(cls: type[RaggedModel], config: dict[str, Any]) -> RaggedModel:
+    """``cls.from_config(config)`` on the meta device (shapes only, nothing allocated)."""
+    with torch.device("meta"), _skip_param_init():
+        return cls.from_config(config)
+
+
 def build_model(
     model_or_path: Any,
     dtype: torch.dtype | str | None,
@@ -219,6 +225,7 @@ def build_model(
     quantization: Any = None,
     shard: TensorShard = NO_SHARD,
     target_device: torch.device | None = None,
+    prepare: Callable[[RaggedModel], None] | None = None,
 ) -> tuple[RaggedModel, dict[str, Any]]:
     """A ragged model on ``device`` in ``dtype`` (None: checkpoint dtype; fp16 -> fp32 on CPU).
 
@@ -227,7 +234,8 @@ def build_model(
     ``shard`` builds one tensor-parallel rank's part (see :func:`check_shardable`).
     ``target_device`` is where the model will run when that is not ``device`` (weight
     offload builds on the host for a GPU): the default dtype and the quantized kernels'
-    layout follow it; None means ``device``.
+    layout follow it; None means ``device``. ``prepare`` runs on the meta model before
+    its weights exist (expert parallelism keeps this rank's experts there).
     """
     target = device if target_device is None else target_device
     dtype = parse_dtype(dtype)
@@ -248,6 +256,8 @@ def build_model(
             model = cls.from_config(config, shard)  # type: ignore[call-arg]
         else:
             model = cls.from_config(config)
+        if prepare is not None:
+            prepare(model)
     _materialize(model, dtype, device)
     model.tie_weights()
     prequantized = _load(model, weights, quantization if shard.sharded else None)

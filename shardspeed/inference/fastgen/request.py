@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ class Request:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.cumulative_logprob = 0.0
+        self.guide: Any = None  # structured output: a structured.Guide (the engine sets it)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
@@ -134,6 +136,7 @@ class Request:
         sample.min_tokens_suppressed_ids = self.min_tokens_suppressed_ids
         sample.rope_base_len = self.rope_base_len
         sample.hash_root = self.hash_root
+        sample.guide = self.guide.fresh() if self.guide is not None else None
         sample.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         if self.prompt_logprobs is not None:
             sample.prompt_logprobs = list(self.prompt_logprobs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shardspeed.inference.fastgen.structured.params import StructuredOutputParams
+
 # torch.Generator.manual_seed accepts exactly this range (64-bit signed or unsigned).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -31,6 +33,8 @@ class SamplingParams:
     ``stop_token_ids`` and stop strings until that many tokens exist. ``truncate``:
     when prompt + ``max_new_tokens`` exceeds the engine's ``max_seq_len``, True stops
     at the context (``finish_reason="length"``), False rejects the request.
+    ``structured_output``: a JSON schema / JSON object / regex / grammar / choice the
+    output must match (token masks, see :mod:`~shardspeed.inference.fastgen.structured`).
     """
 
     max_new_tokens: int = 128
@@ -51,6 +55,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
     truncate: bool = True
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         # Accept the common single-value spellings: stop="\n", stop_token_ids=2.
@@ -167,3 +172,10 @@ class SamplingParams:
                     f"SamplingParams.logit_bias[{token}]={bias!r} is invalid: biases must be "
                     "numbers in [-100, 100] (OpenAI's range)."
                 )
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                raise ValueError(
+                    f"SamplingParams.structured_output={self.structured_output!r} must be a "
+                    "StructuredOutputParams or None."
+                )
+            self.structured_output.validate()

@@ -1,7 +1,8 @@
 """The OpenAI-compatible ASGI app (Starlette): routes, validation, errors.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(these three need the API key when one is set), ``GET /health``, ``GET /metrics``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
+(with an embedding model), ``GET /v1/models`` (these need the API key when one is set),
+``GET /health``, ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from shardspeed.inference.serving.protocol import (
     dump,
 )
 from shardspeed.inference.serving.sse import event_stream, finish_reason, gather_or_cancel
+from shardspeed.inference.serving.structured_format import StructuredOutputError
 from shardspeed.inference.serving.text_stream import truncate_at_stop
 from shardspeed.utils.logging import get_logger
 
@@ -76,9 +78,10 @@ class _ClientGone(Exception):
 class OpenAIServing:
     """Request handlers bound to one :class:`AsyncEngine`."""
 
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings, embedder: Any = None) -> None:
         self.engine = engine
         self.settings = settings
+        self.embedder = embedder  # an embedder.Embedder, or None (no /v1/embeddings)
 
     # ---- plain routes ---------------------------------------------------------------------
 
@@ -99,6 +102,15 @@ class OpenAIServing:
         self._check_auth(request)
         return JSONResponse(ModelList(data=[ModelCard(id=self.settings.model_name)]).model_dump())
 
+    async def embeddings(self, request: Request) -> Response:
+        from shardspeed.inference.serving.embeddings_api import EmbeddingRequest, create_embeddings
+
+        self._check_auth(request)
+        req = self._parse(EmbeddingRequest, await self._read_json(request))
+        self._check_model(req.model)
+        body = await create_embeddings(self.embedder, req, self.settings.model_name)
+        return JSONResponse(body)
+
     # ---- generation routes ----------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
@@ -116,6 +128,7 @@ class OpenAIServing:
             params.logprobs = req.logprobs
             params.prompt_logprobs = req.logprobs if req.echo else None
         self._validate(params)
+        await self._add_structured_output(req, params)
         return await self._generate(request, req, prompts, params, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -130,6 +143,7 @@ class OpenAIServing:
         if req.logprobs:
             params.logprobs = req.top_logprobs or 0
         self._validate(params)
+        await self._add_structured_output(req, params)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             prompt = render_chat_prompt(
@@ -344,6 +358,25 @@ class OpenAIServing:
         )
         return params
 
+    async def _add_structured_output(self, req: _SamplingFields, params: Any) -> None:
+        """Set ``params.structured_output`` from ``response_format`` / ``guided_*`` and
+        compile its grammar off the event loop (the engine thread then finds it cached);
+        a malformed field or one that does not compile is a 400 naming it."""
+        try:
+            constraint = req.structured_output()
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        if constraint is None:
+            return
+        param, params.structured_output = constraint
+        guides = getattr(self.engine.engine, "guides", None)
+        if guides is None:
+            raise APIError(400, f"{param}: this engine does not support structured output")
+        try:
+            await asyncio.to_thread(guides.new_guide, params.structured_output)
+        except (ValueError, ImportError) as exc:
+            raise APIError(400, f"{param}: {exc}", param=param) from exc
+
     @staticmethod
     def _validate(params: Any) -> None:
         try:
@@ -352,10 +385,13 @@ class OpenAIServing:
             raise APIError(400, str(exc)) from exc
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings, own_engine: bool = True) -> Starlette:
-    """The ASGI app serving ``engine``; starts it on startup and, if ``own_engine``,
+def create_app(
+    engine: AsyncEngine, settings: ServerSettings, own_engine: bool = True, embedder: Any = None
+) -> Starlette:
+    """The ASGI app serving ``engine`` (and ``/v1/embeddings`` with ``embedder``, an
+    :class:`~.embedder.Embedder`); starts the engine on startup and, if ``own_engine``,
     shuts it down on shutdown."""
-    serving = OpenAIServing(engine, settings)
+    serving = OpenAIServing(engine, settings, embedder)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -383,6 +419,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, own_engine: bool =
     routes = [
         Route("/v1/completions", serving.completions, methods=["POST"]),
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", serving.embeddings, methods=["POST"]),
         Route("/v1/models", serving.models, methods=["GET"]),
         Route("/health", serving.health, methods=["GET"]),
         Route("/metrics", serving.metrics, methods=["GET"]),

@@ -414,8 +414,13 @@ def pipeline(
     ``engine_config`` are :class:`EngineConfig` fields (``block_size``, ``scheduler``,
     ``max_ragged_batch_size``, ...). ``tensor_parallel=T`` shards the model over this
     process and ``T - 1`` spawned workers (token-identical to 1; docs/inference.md,
-    "Tensor parallelism"); :meth:`Pipeline.shutdown` stops the workers, as do garbage
-    collection and interpreter exit. Scripts that use it need the usual
+    "Tensor parallelism"); ``pipeline_parallel=P`` splits the layers over this process
+    and ``P - 1`` spawned stages with ``P`` micro-batches in flight (token-identical to 1;
+    docs/inference.md, "Pipeline parallelism"); ``expert_parallel=E`` spreads an MoE model's
+    experts over this process and ``E - 1`` spawned workers, tokens moved by all-to-all
+    (token-identical to 1; docs/inference.md, "Expert parallelism"); :meth:`Pipeline.shutdown`
+    stops the workers, as do garbage collection and interpreter exit. Scripts that use it need
+    the usual
     ``if __name__ == "__main__":`` guard of spawned processes.
     """
     from shardspeed.inference.fastgen.engine import InferenceEngine

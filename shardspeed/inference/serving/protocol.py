@@ -35,6 +35,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shardspeed.inference.fastgen.sampling_params import SEED_MAX, SEED_MIN
+from shardspeed.inference.serving.structured_format import StructuredFields
 
 TOP_K_MAX = 2**31 - 1
 REPETITION_PENALTY_RANGE = (0.01, 10.0)
@@ -78,9 +79,10 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_Request, StructuredFields):
     """Sampling fields shared by both endpoints (``top_k``, ``repetition_penalty``,
-    ``ignore_eos`` are extensions, as in vLLM)."""
+    ``ignore_eos`` are extensions, as in vLLM; the structured-output fields are in
+    :class:`~.structured_format.StructuredFields`)."""
 
     model: str | None = None
     temperature: float = 1.0

@@ -158,6 +158,8 @@ def build_app(
     chat_template: str | None = None,
     default_chat_max_tokens: int = 128,
     body_timeout_s: float = 30.0,
+    embedding_model: Any = None,
+    pooling: str = "auto",
     **engine_config: Any,
 ) -> Any:
     """Load the engine and return the ASGI app :func:`serve` runs (arguments as there)."""
@@ -198,7 +200,15 @@ def build_app(
         chat_template=chat_template,
         body_timeout_s=float(body_timeout_s),
     )
-    return create_app(AsyncEngine(engine, max_queue=max_queue), settings)
+    embedder = None
+    if embedding_model is not None:
+        from shardspeed.inference.serving.embedder import Embedder
+
+        if isinstance(embedding_model, Embedder):
+            embedder = embedding_model
+        else:
+            embedder = Embedder(embedding_model, pooling=pooling)
+    return create_app(AsyncEngine(engine, max_queue=max_queue), settings, embedder=embedder)
 
 
 def serve(
@@ -218,6 +228,8 @@ def serve(
     body_timeout_s: float = 30.0,
     keep_alive_timeout_s: float = 5.0,
     max_connections: int | None = None,
+    embedding_model: Any = None,
+    pooling: str = "auto",
     **engine_config: Any,
 ) -> ServerThread | None:
     """Serve a model over an OpenAI-compatible HTTP API.
@@ -243,6 +255,11 @@ def serve(
         keep_alive_timeout_s: idle keep-alive connections close after this many seconds.
         max_connections: open connections at most (None: the open-file limit less 512);
             beyond it the oldest idle connection is closed to admit a new one.
+        embedding_model: enables ``/v1/embeddings``: an HF model directory, a transformers
+            model (with its tokenizer in an :class:`~.embedder.Embedder`) or an ``Embedder``.
+        pooling: the embedding pooling (``"mean"``, ``"cls"``, ``"last"``; ``"auto"``: the
+            directory's sentence-transformers setting, else ``last`` for decoder models and
+            ``cls`` for encoders).
         engine_config: :class:`EngineConfig` fields (``block_size``, ``scheduler``, ...).
     """
     if api_key is None and not _is_loopback(host):
@@ -262,6 +279,8 @@ def serve(
         model_name=model_name,
         chat_template=chat_template,
         body_timeout_s=body_timeout_s,
+        embedding_model=embedding_model,
+        pooling=pooling,
         **engine_config,
     )
     server = ServerThread(app, host=host, port=port, log_level=log_level, limits=limits)

@@ -1,7 +1,7 @@
 """The pre-norm RMSNorm + RoPE decoder shared by the Llama-like families.
 
-One configurable block covers Llama, Mistral, Qwen2/3, Phi-3, Gemma, Gemma 2 and
-Mixtral; each family file turns its HF config into a :class:`DecoderSpec`
+One configurable block covers Llama, Mistral, Qwen2/3, Phi-3, Gemma, Gemma 2, Mixtral
+and Qwen2/3-MoE (the MLP blocks are in :mod:`~.moe`); each family file turns its HF config into a :class:`DecoderSpec`
 (refusing what it cannot honour) and registers the ``model_type``. Layer
 parameter names follow HF's (``input_layernorm``, ``post_attention_layernorm``,
 ``pre_feedforward_layernorm``, ``q_norm``...) with q/k/v fused into
@@ -35,7 +35,8 @@ from shardspeed.inference.fastgen.attention import paged_attention
 from shardspeed.inference.fastgen.models.base import RaggedModel, WeightTarget
 from shardspeed.inference.fastgen.models.config_check import Refusal
 from shardspeed.inference.fastgen.models.layer_stack import run_layers
-from shardspeed.inference.fastgen.models.layers import RMSNorm, activation, softcap
+from shardspeed.inference.fastgen.models.layers import RMSNorm, softcap
+from shardspeed.inference.fastgen.models.moe import GatedMLP, MoESpec, SparseMoE
 from shardspeed.inference.fastgen.models.rope import RopeSpec, RotaryEmbedding, apply_rope
 from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
 
@@ -74,54 +75,17 @@ class DecoderSpec:
     final_softcap: float | None = None
     embed_scale: float | None = None  # Gemma: sqrt(hidden)
     tied: bool = False
-    num_experts: int = 0  # > 0 => sparse MoE MLP (Mixtral)
+    num_experts: int = 0  # > 0 => sparse MoE MLP (Mixtral, Qwen2/3-MoE)
     top_k: int = 0
+    moe_intermediate: int = 0  # each routed expert's width; 0 => intermediate
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights
+    shared_expert_intermediate: int = 0  # > 0 => a shared expert beside the routed ones
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid gate on the shared expert
+    moe_layers: list[bool] = field(default_factory=list)  # per layer; empty => all sparse
 
-
-class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up fused into one matmul."""
-
-    def __init__(self, hidden: int, inter: int, act: str, act_field: str, bias: bool):
-        super().__init__()
-        self.intermediate = inter
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
-        self.act = activation(act, act_field)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [N, inter]
-        return self.down_proj(self.act(gate) * up)
-
-
-class SparseMoE(nn.Module):
-    """Top-k routed experts, HF Mixtral semantics: softmax (fp32) -> top-k -> renormalise.
-
-    All experts are local; each expert runs on the tokens routed to it. Under
-    tensor parallelism each expert holds ``intermediate`` rows of this rank (the
-    router is replicated) and the output is a partial sum.
-    """
-
-    def __init__(self, s: DecoderSpec, intermediate: int):
-        super().__init__()
-        self.top_k = s.top_k
-        self.gate = nn.Linear(s.hidden, s.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            [
-                GatedMLP(s.hidden, intermediate, s.act, s.act_field, False)
-                for _ in range(s.num_experts)
-            ]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [N, E]
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [N, k] each
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)  # [N, hidden]
-        for e in experts.unique().tolist():
-            token, slot = torch.where(experts == e)  # tokens routed to e, and at which rank
-            y = self.experts[e](x[token]) * weights[token, slot, None]  # [T_e, hidden]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` has the routed MLP (else the dense gated MLP)."""
+        return self.num_experts > 0 and (not self.moe_layers or self.moe_layers[layer_idx])
 
 
 class DecoderLayer(nn.Module):
@@ -131,7 +95,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.shard = shard
         self.heads = shard.heads(s.num_heads, s.num_kv_heads, s.model_type)
-        self.inter_rows = shard.split(s.intermediate, "intermediate_size", s.model_type)
+        dense_mlp = not s.is_moe_layer(layer_idx)
+        self.inter_rows = (
+            shard.split(s.intermediate, "intermediate_size", s.model_type)
+            if dense_mlp
+            else range(0)
+        )
         self.num_heads, self.num_kv_heads = self.heads.num_heads, self.heads.num_kv_heads
         self.head_dim = s.head_dim
         q_size, kv_size = self.num_heads * s.head_dim, self.num_kv_heads * s.head_dim
@@ -154,8 +123,20 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm(s.hidden)
         self.mlp: nn.Module
         inter = len(self.inter_rows)
-        if s.num_experts:
-            self.mlp = SparseMoE(s, inter)
+        if not dense_mlp:
+            expert_key = "moe_intermediate_size" if s.moe_intermediate else "intermediate_size"
+            self.expert_full = s.moe_intermediate or s.intermediate
+            self.expert_rows = shard.split(self.expert_full, expert_key, s.model_type)
+            self.shared_full = s.shared_expert_intermediate
+            self.shared_rows = (
+                shard.split(self.shared_full, "shared_expert_intermediate_size", s.model_type)
+                if self.shared_full else range(0)
+            )  # fmt: skip
+            moe = MoESpec(
+                s.num_experts, s.top_k, len(self.expert_rows), s.norm_topk_prob,
+                len(self.shared_rows), s.shared_expert_gate,
+            )  # fmt: skip
+            self.mlp = SparseMoE(s.hidden, moe, s.act, s.act_field)
         else:
             self.mlp = GatedMLP(s.hidden, inter, s.act, s.act_field, s.mlp_bias)
 
@@ -299,7 +280,7 @@ class DecoderModel(RaggedModel):
     ) -> list[WeightTarget] | None:
         mlp = layer.mlp
         if not isinstance(mlp, GatedMLP):
-            return self._map_moe(idx, module, kind, tensor)
+            return self._map_moe(layer, idx, module, kind, tensor)
         target = {
             "mlp.gate_proj": "gate",
             "mlp.up_proj": "up",
@@ -308,13 +289,15 @@ class DecoderModel(RaggedModel):
         }.get(module)
         if target is None:
             return None
-        return [self._gated_target(layer, f"layers.{idx}.mlp.", target, kind, tensor)]
+        rows, full = layer.inter_rows, self.spec.intermediate
+        return [self._gated_target(f"layers.{idx}.mlp.", target, kind, tensor, rows, full)]
 
     def _gated_target(
-        self, layer: DecoderLayer, prefix: str, part: str, kind: str, tensor: torch.Tensor
+        self, prefix: str, part: str, kind: str, tensor: torch.Tensor, rows: range, full: int
     ) -> WeightTarget:
-        """One gated-MLP checkpoint tensor (``part`` gate / up / gate_up / down) of this rank."""
-        rows, inter, full = layer.inter_rows, len(layer.inter_rows), self.spec.intermediate
+        """One gated-MLP checkpoint tensor (``part`` gate / up / gate_up / down) of this rank,
+        which holds ``rows`` of the MLP's ``full`` intermediate rows."""
+        inter = len(rows)
         if part == "down":
             if kind == "bias":
                 return (f"{prefix}down_proj.bias", self.shard.row_bias(tensor), None, False)
@@ -329,32 +312,73 @@ class DecoderModel(RaggedModel):
     _EXPERTS_RE = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
     def _map_experts(self, name: str, tensor: torch.Tensor) -> list[WeightTarget] | None:
-        """transformers >= 5 stores all experts of a layer as one 3-D tensor ``[E, out, in]``."""
+        """transformers >= 5 stores all experts of a layer as one 3-D tensor ``[E, out, in]``;
+        only the experts this rank holds are taken."""
         m = self._EXPERTS_RE.match(name)
         if m is None or not self.spec.num_experts:
             return None
         idx, proj = m.groups()
         layer = self.layers[int(idx)]
+        if not isinstance(layer.mlp, SparseMoE):
+            return None
         part = "gate_up" if proj == "gate_up_proj" else "down"
+        rows, full = layer.expert_rows, layer.expert_full
         return [
-            self._gated_target(layer, f"layers.{idx}.mlp.experts.{e}.", part, "weight", tensor[e])
-            for e in range(tensor.shape[0])
+            self._gated_target(
+                f"layers.{idx}.mlp.experts.{e}.", part, "weight", tensor[e], rows, full
+            )
+            for e in layer.mlp.local_experts
+            if e < tensor.shape[0]
         ]
 
+    _EXPERT_PARTS = {
+        "w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up",
+        "down_proj": "down",
+    }  # fmt: skip
+
     def _map_moe(
-        self, idx: int, module: str, kind: str, tensor: torch.Tensor
+        self, layer: DecoderLayer, idx: int, module: str, kind: str, tensor: torch.Tensor
     ) -> list[WeightTarget] | None:
-        """Router and per-expert weights (``block_sparse_moe.experts.{e}.w1/w2/w3`` layout)."""
+        """Router, per-expert weights (``block_sparse_moe.experts.{e}.w1/w2/w3`` or
+        ``mlp.experts.{e}.gate_proj/up_proj/down_proj``; experts held elsewhere are
+        skipped) and the shared expert (``mlp.shared_expert.*``, ``shared_expert_gate``)."""
         module = module.replace("block_sparse_moe.", "mlp.")
-        if module == "mlp.gate":
-            return [(f"layers.{idx}.mlp.gate.{kind}", tensor, None, False)]
-        m = re.match(r"^mlp\.experts\.(\d+)\.(w1|w2|w3)$", module)
-        if m is None:
+        prefix = f"layers.{idx}.mlp."
+        if module in ("mlp.gate", "mlp.shared_expert_gate"):
+            return [(f"{prefix}{module.removeprefix('mlp.')}.{kind}", tensor, None, False)]
+        m = re.match(r"^mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$", module)
+        if m is not None:
+            e, w = int(m.group(1)), m.group(2)
+            if e not in layer.mlp.local_experts:
+                return [] if e < self.spec.num_experts else None
+            return [
+                self._gated_target(
+                    f"{prefix}experts.{e}.", self._EXPERT_PARTS[w], kind, tensor,
+                    layer.expert_rows, layer.expert_full,
+                )
+            ]  # fmt: skip
+        m = re.match(r"^mlp\.shared_expert\.(gate_proj|up_proj|down_proj)$", module)
+        if m is None or layer.mlp.shared_expert is None:
             return None
-        e, w = m.groups()
-        part = {"w1": "gate", "w3": "up", "w2": "down"}[w]
-        prefix = f"layers.{idx}.mlp.experts.{e}."
-        return [self._gated_target(self.layers[idx], prefix, part, kind, tensor)]
+        return [
+            self._gated_target(
+                f"{prefix}shared_expert.", self._EXPERT_PARTS[m.group(1)], kind, tensor,
+                layer.shared_rows, layer.shared_full,
+            )
+        ]  # fmt: skip
+
+    def place_experts(self, local_experts: range) -> None:
+        """Keep only the experts ``local_experts`` in every routed layer (expert parallelism).
+
+        Call before loading: the checkpoint's other experts are then skipped at load.
+        """
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.keep_experts(local_experts)
+
+    def moe_blocks(self) -> list[SparseMoE]:
+        """The routed blocks, in layer order."""
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
 
 def _shift(rows: range, offset: int) -> range:

@@ -1,4 +1,7 @@
-"""Mixtral: the Mistral block with a top-k routed mixture of SwiGLU experts (all local).
+"""Mixtral: the Mistral block with a top-k routed mixture of SwiGLU experts.
+
+The experts are all local on one process; with ``expert_parallel=E`` each rank holds
+``num_local_experts / E`` of them (:mod:`shardspeed.inference.fastgen.expert_parallel`).
 
 Routing follows HF: softmax over the router logits in fp32, top-k, renormalise
 the k weights to sum to 1. Expert weights load from either checkpoint layout:

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 
 _REGISTRY: dict[str, type[RaggedModel]] = {}
 _BUILTIN_FAMILIES = (
-    "llama", "qwen3", "phi3", "gemma", "gemma2", "mixtral", "neox", "opt", "falcon", "gpt2",
-    "shardspeed_gpt",
+    "llama", "qwen3", "phi3", "gemma", "gemma2", "mixtral", "qwen_moe", "neox", "opt", "falcon",
+    "gpt2", "shardspeed_gpt",
 )  # fmt: skip
 
 

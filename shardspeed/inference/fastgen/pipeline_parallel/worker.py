@@ -1,0 +1,173 @@
+"""The loop of a pipeline stage worker process (stages 1..P-1; rank 0 is stage 0).
+
+::
+
+    stage = build_stage_model(source, layout)          # only this stage's layers
+    send loaded; wait for connect
+    join the group; allocate this stage's KV cache; send ready
+    loop (pipe messages, in rank 0's launch order):
+        batch      -> recv hidden [N, hidden] from stage - 1; run the layers;
+                      send to stage + 1, or (last stage) send rank 0 the result:
+                      argmax tokens of greedy rows, fp32 logits rows of the others
+        copy_block | timers | stop
+
+The worker blocks only on its pipe to rank 0 or on a receive from the previous
+stage: rank 0 exiting (pipe EOF) ends it, a dead neighbour fails its receive or
+send. On any error it sends the traceback to rank 0 and exits.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from shardspeed.inference.fastgen.kv_cache import KVCache
+from shardspeed.inference.fastgen.pipeline_parallel import messages as msg
+from shardspeed.inference.fastgen.pipeline_parallel.partition import StageLayout
+from shardspeed.inference.fastgen.pipeline_parallel.stage_model import build_stage_model
+from shardspeed.inference.fastgen.ragged import build_ragged_batch
+from shardspeed.inference.fastgen.sampling import finite_logits
+from shardspeed.inference.fastgen.scheduler import ScheduledBatch
+from shardspeed.inference.fastgen.tensor_parallel.group import join_store, new_process_group
+
+# Sends to the next stage not yet known complete; the oldest is waited for beyond this.
+MAX_PENDING_SENDS = 8
+
+
+@dataclass(frozen=True)
+class StageWorkerArgs:
+    """What a stage worker is started with (pickled to the spawned process)."""
+
+    layout: StageLayout
+    source: Any  # a path string or a CheckpointSource
+    dtype: torch.dtype | None
+    device: str
+    num_threads: int
+    quantization: Any = None
+
+
+class StageTimer:
+    """Time a stage spent waiting for its input since :meth:`reset`, and the window.
+
+    Waiting is what the schedule is meant to remove: a worker blocked on its pipe or on
+    the previous stage's hidden states, rank 0 blocked on the last stage's result.
+    Everything else in the window (compute, sends, rank 0's scheduling) is busy time.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = self.last_end = time.perf_counter()
+        self.wait_s = 0.0
+        self.num_batches = 0
+
+    def add(self, end: float, wait_s: float) -> None:
+        """A micro-batch finished at ``end`` after waiting ``wait_s`` for its input."""
+        self.wait_s += wait_s
+        self.last_end = end
+        self.num_batches += 1
+
+    def times(self) -> msg.StageTimes:
+        window = self.last_end - self.start
+        return msg.StageTimes(window - self.wait_s, window, self.num_batches)
+
+
+def last_stage_result(
+    logits: torch.Tensor, batch: ScheduledBatch, modes: list[int]
+) -> tuple[list[int], torch.Tensor]:
+    """``logits`` ``[M, V]`` (the batch's logits rows) -> (argmax token of each ``ARGMAX``
+    sequence, the rows of the ``LOGITS`` sequences ``[R, V]``), both in batch order."""
+    tokens: list[int] = []
+    keep: list[int] = []
+    row = 0
+    for seq, mode in zip(batch.sequences, modes, strict=True):
+        n = seq.num_logits_rows
+        if mode == msg.ARGMAX:
+            tokens.append(row + n - 1)
+        elif mode == msg.LOGITS:
+            keep.extend(range(row, row + n))
+        row += n
+    if tokens:  # as the one-process greedy draw: argmax of the finite-mapped logits
+        tokens = finite_logits(logits[tokens]).argmax(dim=-1).tolist()
+    return tokens, logits[keep]
+
+
+def stage_worker_main(conn: Connection, args: StageWorkerArgs) -> None:
+    """Entry point of a spawned stage worker; returns when rank 0 says stop or goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    try:
+        _serve(conn, args)
+    except EOFError:  # rank 0 closed its end (exited or dropped the engine)
+        return
+    except BaseException:
+        try:
+            conn.send((msg.ERROR, traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+
+
+def _serve(conn: Connection, args: StageWorkerArgs) -> None:
+    torch.set_num_threads(args.num_threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    layout = args.layout
+    stage = build_stage_model(args.source, layout, args.dtype, device, args.quantization)
+    info = msg.StageInfo(stage.layer_bytes(), stage.total_bytes(), stage.hidden_size, stage.dtype)
+    conn.send((msg.LOADED, info))
+    kind, connect = conn.recv()
+    if kind == msg.STOP:
+        return
+    assert kind == msg.CONNECT, kind
+    store = join_store(connect.port, layout.num_stages)
+    group = new_process_group(store, layout.stage, layout.num_stages, device)
+    kv_cache = KVCache(connect.kv_spec, connect.num_blocks, device)
+    conn.send((msg.READY, None))
+    block_size = connect.kv_spec.block_size
+    sends: deque[tuple[Any, torch.Tensor]] = deque()  # (work, tensor kept alive until sent)
+    timer = StageTimer()
+    waited = 0.0  # blocked on the pipe since the last micro-batch
+    while True:
+        begin = time.perf_counter()
+        kind, payload = conn.recv()
+        waited += time.perf_counter() - begin
+        if kind == msg.BATCH:
+            chunks, modes = payload
+            batch = msg.unpack_batch(chunks)
+            ragged = build_ragged_batch(batch, block_size, device, connect.backend)
+            hidden = torch.empty(
+                ragged.num_tokens, stage.hidden_size, dtype=stage.dtype, device=device
+            )
+            begin = time.perf_counter()
+            group.recv([hidden], layout.stage - 1, 0).wait()  # [N, hidden]
+            waited += time.perf_counter() - begin
+            out = stage.forward(ragged, kv_cache, hidden)
+            if layout.is_last:  # out: [M, vocab] fp32 logits rows
+                tokens, rows = last_stage_result(out, batch, modes)
+                conn.send((msg.RESULT, (tokens, rows.cpu().numpy())))
+            else:  # out: [N, hidden]
+                sends.append((group.send([out], layout.stage + 1, 0), out))
+                while len(sends) > MAX_PENDING_SENDS:
+                    sends.popleft()[0].wait()
+            timer.add(time.perf_counter(), waited)
+            waited = 0.0
+        elif kind == msg.COPY_BLOCK:
+            kv_cache.copy_block(*payload)
+        elif kind == msg.TIMERS:
+            conn.send((msg.TIMERS, timer.times()))
+            if payload:
+                timer.reset()
+                waited = 0.0  # the wait before the reset is outside the new window
+        elif kind == msg.STOP:
+            return
+        else:
+            raise RuntimeError(f"pipeline stage worker got an unknown message {kind!r}")
