@@ -183,7 +183,10 @@ def shardspeed_initialize() -> Callable[..., Any]:
 def build_shardspeed(model: nn.Module, workload: Workload, stage: int) -> Runner:
     """shardspeed ZeRO ``stage`` from the same ds_config DeepSpeed gets."""
     initialize = shardspeed_initialize()
-    return ds_api_runner(initialize, model, ds_config(workload, stage))
+    config = ds_config(workload, stage)
+    if workload.compile:  # DeepSpeed 0.19.8 has no such keys: shardspeed rows only
+        config["compile"] = {"enabled": True, "backend": workload.compile}
+    return ds_api_runner(initialize, model, config)
 
 
 def build_runner(

@@ -40,6 +40,7 @@ class Workload:
     data_seed: int = 4321
     ds_optimizer: str = "torch"  # "torch": torch.optim.AdamW inside DeepSpeed; "native": FusedAdam
     ds_extra: str = ""  # JSON object deep-merged into the ds_config of DeepSpeed and shardspeed
+    compile: str = ""  # torch.compile backend of the shardspeed rows' forward ("": eager)
 
     @property
     def total_steps(self) -> int:
@@ -64,6 +65,7 @@ class Workload:
             data_seed=args.data_seed,
             ds_optimizer=args.ds_optimizer,
             ds_extra=args.ds_extra,
+            compile=args.compile,
         )
 
 
@@ -169,6 +171,14 @@ def add_workload_args(parser: argparse.ArgumentParser, defaults: Workload | None
         default=d.ds_extra,
         help="JSON deep-merged into the ds_config, e.g. '{\"memory_breakdown\": true}' or "
         '\'{"zero_optimization": {"overlap_comm": true}}\'',
+    )
+    g.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=d.compile,
+        help='shardspeed rows only: \'"compile": {"enabled": true, "backend": B}\' '
+        "(torch.compile of the model's forward; B defaults to inductor; compiled in warm-up)",
     )
 
 

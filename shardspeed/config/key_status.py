@@ -32,6 +32,7 @@ from shardspeed.config.base import (
     join_path,
     model_in,
 )
+from shardspeed.config.compile import DEEPCOMPILE_KNOBS
 from shardspeed.config.legacy import UNMODELLED_KEYS
 from shardspeed.config.precision import dtype_from_name
 from shardspeed.utils.logging import warning_once
@@ -303,10 +304,12 @@ KEY_STATUS: dict[str, KeyRule] = {
         "(elementwise optimizers give the same update either way)",
         "zero_optimization.sub_group_size",
     ),
-    **_ignored(
-        "ZeRO++ hierarchical partitioning only changes where parameter copies live, not the "
-        "values; ShardSpeed keeps one partition over the data-parallel group",
+    **_used(
+        "the stage-3 sharding (ZeRO++, shardspeed.zero.zeropp; stage 3 only, refused by "
+        "the zero config at other stages)",
         "zero_optimization.zero_hpz_partition_size",
+        "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients",
     ),
     **_ignored(
         "MiCS sub-group sharding only changes where states live, not the values; ShardSpeed "
@@ -314,9 +317,11 @@ KEY_STATUS: dict[str, KeyRule] = {
         "zero_optimization.mics_shard_size",
         "zero_optimization.mics_hierarchical_params_gather",
     ),
-    **_ignored(
-        "only applies to zero_quantized_gradients, which is refused",
+    **_refused(
         "zero_optimization.zeropp_loco_param",
+        "LoCo-ZeRO++ (error feedback for qgZ's quantized gradients) is not implemented",
+        "null",
+        "remove the key (zero_quantized_gradients works without it)",
     ),
     **_ignored(
         "a legacy flag DeepSpeed no longer reads",
@@ -345,20 +350,8 @@ KEY_STATUS: dict[str, KeyRule] = {
         "remove the key",
     ),
     **_refused(
-        "zero_optimization.zero_quantized_weights",
-        "ZeRO++ quantized weight all-gather (qwZ) is not implemented",
-        "false",
-        "remove the key",
-    ),
-    **_refused(
         "zero_optimization.zero_quantized_nontrainable_weights",
         "storing frozen weights quantized is not implemented",
-        "false",
-        "remove the key",
-    ),
-    **_refused(
-        "zero_optimization.zero_quantized_gradients",
-        "ZeRO++ quantized gradient reduction (qgZ) is not implemented",
         "false",
         "remove the key",
     ),
@@ -443,6 +436,27 @@ KEY_STATUS: dict[str, KeyRule] = {
         "hybrid_engine.pin_parameters",
     ),
     **_used("runtime/engine.py (the clipping norm of expert groups)", "moe.grad_norm"),
+    **_used(
+        "runtime/compile_step.py (torch.compile of the model's forward)",
+        "compile.backend",
+        "compile.kwargs",
+    ),
+    **_refused(
+        "compile.enabled",
+        "ZeRO-3's gather/release forward hooks are not made compatible with torch.compile "
+        "yet (they are not graph-visible ops)",
+        "true at zero_optimization.stage 0, 1 or 2",
+        "use ZeRO stage 0-2 with compile, or set compile.enabled to false at stage 3",
+        lambda value, config: not value or config.zero_optimization.stage < 3,
+    ),
+    **_refused(
+        "compile.deepcompile",
+        "DeepCompile's graph passes (ZeRO ops rewritten into the compiled graph) are not "
+        "implemented",
+        "false",
+        'set "deepcompile": false and "enabled": true to compile the model\'s forward',
+    ),
+    **_ignored("a DeepCompile option; DeepCompile is not implemented", *DEEPCOMPILE_KNOBS),
     **_used(
         "runtime/engine.py (DeepSpeed's zero-gradient optimizer step at 16-bit ZeRO 0)",
         "initial_zero_grad_step",

@@ -37,11 +37,6 @@ UNMODELLED_KEYS: dict[str, UnmodelledKey] = {
         "tune train_micro_batch_size_per_gpu and the ZeRO stage by hand",
         reject_when_enabled=False,
     ),
-    "compile": UnmodelledKey(
-        "DeepCompile is not implemented",
-        "call torch.compile on the model before shardspeed.initialize",
-        reject_when_enabled=False,
-    ),
     "graph_harvesting": UnmodelledKey(
         "graph harvesting (CUDA-graph capture of short kernels) is not implemented",
         "remove the key",

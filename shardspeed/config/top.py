@@ -22,6 +22,7 @@ from shardspeed.config.base import ConfigError, ConfigModel, Float, Int, explain
 from shardspeed.config.batch import BATCH_KEYS, resolve_batch_triple
 from shardspeed.config.checkpoint import AioConfig, CheckpointConfig
 from shardspeed.config.collective_check import CollectiveCheckConfig
+from shardspeed.config.compile import CompileConfig
 from shardspeed.config.compression import CompressionConfig
 from shardspeed.config.elasticity import ElasticTrainingConfig
 from shardspeed.config.key_status import check_key_status
@@ -198,6 +199,10 @@ class ShardSpeedConfig(ConfigModel):
         default_factory=HybridEngineConfig, description="Train + generate engine (RLHF)."
     )
     moe: MoEConfig = Field(default_factory=MoEConfig, description="MoE training options.")
+    compile: CompileConfig = Field(
+        default_factory=CompileConfig,
+        description="Compiled training step: torch.compile of the model's forward (stages 0-2).",
+    )
     compression_training: CompressionConfig = Field(
         default_factory=CompressionConfig,
         description="Compression during training (shardspeed.compression: init_compression "

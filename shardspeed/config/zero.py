@@ -241,16 +241,23 @@ class ZeroConfig(ConfigModel):
     )
     parameter_alignment: bool = Field(False, description="Align parameter shards (legacy).")
     zero_hpz_partition_size: Int = Field(
-        1, ge=1, description="ZeRO++ hpZ secondary partition size (ideally ranks per node)."
+        1,
+        ge=1,
+        description="ZeRO++ hpZ: ranks per secondary weight partition (ranks per node); "
+        "backward all-gathers stay within it (stage 3; 1 = off).",
     )
     zero_quantized_weights: bool = Field(
-        False, description="ZeRO++ qwZ: all-gather weights quantized to int8."
+        False,
+        description="ZeRO++ qwZ: all-gather weights as int8 blocks with per-block scales "
+        "(stage 3).",
     )
     zero_quantized_nontrainable_weights: bool = Field(
         False, description="Store frozen (non-trainable) weights quantized."
     )
     zero_quantized_gradients: bool = Field(
-        False, description="ZeRO++ qgZ: reduce gradients quantized (int4 all-to-all)."
+        False,
+        description="ZeRO++ qgZ: reduce-scatter gradients as int4 all-to-alls, within the "
+        "node then across nodes (stage 3).",
     )
     zeropp_loco_param: dict[str, Any] | None = Field(
         None, description='LoCo-ZeRO++ options, e.g. {"err_beta": 0.8, "reset_T": 1024}.'
@@ -392,6 +399,23 @@ class ZeroConfig(ConfigModel):
                     f"partial offload (ratio < 1) needs ZeRO stage 3 (stage is {stage})",
                     self.offload_optimizer.ratio,
                     fix='set "ratio": 1.0 or "stage": 3',
+                ),
+            )
+        zeropp = {
+            "zero_quantized_weights": self.zero_quantized_weights,
+            "zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
+            "zero_quantized_gradients": self.zero_quantized_gradients,
+        }
+        on = {k: getattr(self, k) for k, v in zeropp.items() if v}
+        if on and stage != 3:
+            key = next(iter(on))
+            raise ConfigError.at(
+                key,
+                explain(
+                    f"ZeRO++ ({', '.join(on)}) works on ZeRO stage 3's parameter gathers and "
+                    f"gradient reduce-scatter (stage is {stage})",
+                    on[key],
+                    fix=f'set "stage": 3, or remove {", ".join(on)}',
                 ),
             )
         if not self.compute_grad_norm and stage not in (1, 2):

@@ -38,6 +38,7 @@ from shardspeed.compression.engine_hook import build_compression_hook
 from shardspeed.config import ShardSpeedConfig
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.precision.policy import MixedPrecision
+from shardspeed.runtime.compile_step import CompileApiMixin
 from shardspeed.runtime.config_getters import ConfigGettersMixin
 from shardspeed.runtime.engine_assembly import (
     build_lr_scheduler,
@@ -72,7 +73,12 @@ logger = get_logger(__name__)
 
 
 class ShardSpeedEngine(
-    ConfigGettersMixin, EngineQueriesMixin, EngineStateMixin, CheckpointApiMixin, nn.Module
+    ConfigGettersMixin,
+    EngineQueriesMixin,
+    EngineStateMixin,
+    CheckpointApiMixin,
+    CompileApiMixin,
+    nn.Module,
 ):
     """Wraps a model for sharded data-parallel training (ZeRO stages 0-3).
 
@@ -179,6 +185,7 @@ class ShardSpeedEngine(
         self.compression = build_compression_hook(
             model, config.compression_training, zero_stage=self.stage
         )
+        self._compile_from_config()  # compile.enabled: torch.compile of the forward
         log_dist(
             f"ShardSpeed engine: ZeRO stage {self.stage}, dp={self.dp_world_size}, "
             f"{self.sharding.describe()}, param dtype {self.precision.param_dtype}, "
@@ -200,8 +207,7 @@ class ShardSpeedEngine(
         self.local_rank = comm.get_local_rank()
         self.global_rank = comm.get_rank()
         self.world_size = comm.get_world_size()
-        dp_group = topology.group("data")
-        self.dp_group = dp_group
+        self.dp_group = dp_group = topology.group("data")
         self.dp_world_size = topology.size("data")
         self.dp_rank = topology.rank_in("data")
         self.mp_world_size = self.world_size // self.dp_world_size
@@ -363,11 +369,8 @@ class ShardSpeedEngine(
         self.reducer.sync_enabled = enabled
 
     def allreduce_gradients(self, bucket_size: int | None = None) -> None:
-        """Reduce the locally accumulated gradients now, as on an accumulation boundary.
-
-        ``bucket_size`` is accepted for DeepSpeed compatibility; buckets are laid out once
-        from ``reduce_bucket_size``.
-        """
+        """Reduce the locally accumulated gradients now, as on an accumulation boundary
+        (``bucket_size``: DeepSpeed's; buckets are laid out once from ``reduce_bucket_size``)."""
         self.set_gradient_reduction(True)
         self._boundary_override = True
         self.reducer.flush()

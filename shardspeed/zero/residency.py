@@ -16,6 +16,10 @@ buffer lives:
 Both answer the same questions for the flat group: the status of the full buffer, the
 tensor the masters start from (:meth:`initial_shard`), where updated values go
 (:meth:`write_shard`), and the bytes they hold.
+
+With ZeRO++ (qwZ / hpZ) a gathered residency hands its gathers to a
+:class:`~shardspeed.zero.zeropp.weights.WeightGathers` (:meth:`GatheredResidency.use_gathers`):
+quantized all-gathers, and backward gathers from a node-local secondary partition.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from shardspeed.zero.partition import FlatLayout, param_shard_fragments
 
 if TYPE_CHECKING:
     from shardspeed.zero.offload import OffloadRuntime
+    from shardspeed.zero.zeropp.weights import PendingGather, WeightGathers
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -122,6 +127,8 @@ class GatheredResidency:
         self.full: torch.Tensor | None = None
         self._pending: tuple[torch.Tensor, object | None] | None = None
         self._gather_src: torch.Tensor | None = None
+        self.gathers: WeightGathers | None = None  # ZeRO++ (qwZ / hpZ): see use_gathers
+        self._zeropp_pending: PendingGather | None = None
         for i, (p, shape) in enumerate(zip(params, shapes)):
             p.ds_shape = shape
             p.ds_numel = shape.numel()
@@ -179,14 +186,28 @@ class GatheredResidency:
     def status(self) -> ZeroParamStatus:
         if self.full is not None:
             return ZeroParamStatus.AVAILABLE
-        if self._pending is not None:
+        if self._pending is not None or self._zeropp_pending is not None:
             return ZeroParamStatus.INFLIGHT
         return ZeroParamStatus.NOT_AVAILABLE
 
     # -- gather / release ---------------------------------------------------------------
+    def use_gathers(self, gathers: WeightGathers) -> None:
+        """ZeRO++: gather through ``gathers`` (quantized, or from the hpZ secondary copy)."""
+        self.gathers = gathers
+
+    def shard_changed(self) -> None:
+        """The shard was updated in place (an aliased master's step): a ZeRO++ secondary
+        copy of the old values is stale."""
+        if self.gathers is not None:
+            self.gathers.drop_secondary()
+
     def start_gather(self) -> None:
         """Launch the all-gather of the full buffer (asynchronous where the backend allows)."""
-        if self.full is not None or self._pending is not None:
+        if self.full is not None or self._pending is not None or self._zeropp_pending is not None:
+            return
+        if self.gathers is not None and self.world > 1:
+            self._zeropp_pending = self.gathers.start(self.storage.gather_source, self.numel)
+            self._set_status(ZeroParamStatus.INFLIGHT)
             return
         # (shard_numel,) on the device: the shard itself, or a copy from host / NVMe
         src = self.storage.gather_source()
@@ -202,6 +223,11 @@ class GatheredResidency:
 
     def wait_gather(self) -> None:
         """Finish a launched gather and point every parameter at its view of the full buffer."""
+        if self._zeropp_pending is not None:
+            assert self.gathers is not None
+            pending, self._zeropp_pending = self._zeropp_pending, None
+            self._attach(self.gathers.finish(pending))
+            return
         if self._pending is None:
             return
         out, work = self._pending
@@ -233,7 +259,10 @@ class GatheredResidency:
 
     def write_shard(self, bucket_index: int, values: torch.Tensor) -> None:
         self.storage.store(values)
+        self.shard_changed()
 
     def storage_bytes(self) -> dict[str, int]:
         shard = self.storage.storage_bytes()
-        return {"params": shard.get("params", 0) + _nbytes(self.full), "host": shard.get("host", 0)}
+        extra = 0 if self.gathers is None else self.gathers.secondary_bytes()
+        params = shard.get("params", 0) + _nbytes(self.full) + extra
+        return {"params": params, "host": shard.get("host", 0)}

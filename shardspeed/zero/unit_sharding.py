@@ -9,6 +9,11 @@ of which this rank keeps slice ``dp_rank``, the same flat-buffer type stages 0-2
 backward (prefetching the next unit of the recorded order) and releases it after; the
 reducer releases a unit once all its gradients are reduced. Parameters below
 ``stage3_param_persistence_threshold`` stay gathered in a *persistent* flat.
+
+ZeRO++ (:mod:`shardspeed.zero.zeropp`) is wired here: the dense unit flats gather through
+its :class:`~shardspeed.zero.zeropp.weights.WeightGathers` (qwZ, hpZ), and when the engine
+hands over its reducer (:attr:`UnitSharding.reducer`) the dense param groups' reductions
+become qgZ's quantized all-to-alls.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from shardspeed.zero.init_partition import full_numel, materialize_init_params
 from shardspeed.zero.order_check import OrderCheck
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 from shardspeed.zero.sharding import ShardingContext
+from shardspeed.zero.zeropp import ZeroPPPolicy
+from shardspeed.zero.zeropp.weights import ComputeGatherCoordinator
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 PERSISTENT_CODE = 1_000_000  # order-check codes of persistent-flat gathers: -(CODE + i)
@@ -155,10 +162,13 @@ class UnitSharding:
         self.persistent_flats: list[FlatGroup] = []
         self._slots: dict[int, FlatBucket] = {}  # id(flat) -> its reducer slot
         self._unit_of_slot: dict[int, int] = {}  # id(slot) -> unit id (-1: persistent)
+        self.zeropp_policy = ZeroPPPolicy.from_config(zc)
+        self.zeropp = self.zeropp_policy.build(ctx.dp_group, ctx.dp_world_size)
         self.groups = self._build_groups(groups, model)
         check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
         self.order_check = OrderCheck(ctx.dp_group, ctx.dp_world_size, ctx.device, check_on)
-        self.coordinator = FetchCoordinator(
+        coordinator_type = FetchCoordinator if self.zeropp is None else ComputeGatherCoordinator
+        self.coordinator = coordinator_type(
             self.units,
             self.order_check,
             int(zc.stage3_prefetch_bucket_size),
@@ -166,7 +176,27 @@ class UnitSharding:
             max_reuse_distance=int(zc.stage3_max_reuse_distance),
         )
         self.coordinator.install()
-        self.reducer: Any = None  # set by the engine; on_ready asks it which flats are done
+        self._reducer: Any = None  # set by the engine; on_ready asks it which flats are done
+
+    @property
+    def reducer(self) -> Any:
+        return self._reducer
+
+    @reducer.setter
+    def reducer(self, reducer: Any) -> None:
+        """The engine's gradient reducer; with qgZ its dense param groups' reductions are
+        replaced by :class:`~shardspeed.zero.zeropp.grads.QuantizedReduction`."""
+        self._reducer = reducer
+        if self.zeropp is None or reducer is None:
+            return
+        reducer.reductions = [
+            self.zeropp.grad_reduction(r) if self._dense(axis) else r
+            for r, axis in zip(reducer.reductions, self.ctx.axes)
+        ]
+
+    def _dense(self, axis: Any) -> bool:
+        """The param group is sharded over the data axis (not an expert-data axis)."""
+        return axis.group is self.ctx.dp_group and axis.size == self.ctx.dp_world_size
 
     def _build_groups(self, groups: list[dict[str, Any]], model: nn.Module) -> list[UnitGroup]:
         ctx, zc = self.ctx, self.ctx.zero
@@ -223,10 +253,15 @@ class UnitSharding:
             gathered=GatherSpec(axis.group, unit_id, first_id, persistent=unit_id < 0),
         )
         flat.group_index = group_index
+        if self.zeropp is not None and unit_id >= 0 and self._dense(axis):
+            gathers = self.zeropp.weight_gathers(ctx.param_dtype, ctx.device)
+            if gathers is not None:
+                flat.residency.use_gathers(gathers)  # type: ignore[union-attr]
         return flat
 
     def describe(self) -> str:
-        return f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats"
+        text = f"{len(self.units)} units, {len(self.persistent_flats)} persistent flats"
+        return text if self.zeropp is None else f"{text}, {self.zeropp_policy.describe()}"
 
     # -- reduction ------------------------------------------------------------------------
     def grad_slots(self) -> list[GradSlot]:
@@ -261,8 +296,12 @@ class UnitSharding:
     # -- after a step / a checkpoint load ----------------------------------------------------
     @torch.no_grad()
     def publish(self) -> None:
-        """Masters are in the shards: drop stale gathered copies, re-gather persistent flats."""
+        """Masters are in the shards: drop stale gathered copies (and ZeRO++ secondary
+        copies), re-gather persistent flats."""
         self.coordinator.release_all()  # gathered again on next use
+        for unit in self.units:
+            for flat in unit.flats:
+                flat.residency.shard_changed()  # type: ignore[union-attr]
         for i, flat in enumerate(self.persistent_flats):
             flat.release()
             self.order_check(-(PERSISTENT_CODE + i), f"gather persistent flat {i}")

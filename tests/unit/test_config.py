@@ -425,16 +425,16 @@ def test_unmodelled_keys_are_warned_about_not_dropped():
         ss_logging._once.cache_clear()
         cfg = load_config(
             {
-                "compile": {"deepcompile": True},
+                "autotuning": {"enabled": True},
                 "curriculum_learning": {"enabled": False},
                 "zero_optimization": {"stage": 1},
             }
         )
     finally:
         root.removeHandler(handler)
-    assert set(cfg.ignored_keys) == {"compile", "curriculum_learning"}
+    assert set(cfg.ignored_keys) == {"autotuning", "curriculum_learning"}
     messages = " ".join(r.getMessage() for r in records if r.levelno == logging.WARNING)
-    assert "'compile' is accepted but ignored" in messages
+    assert "'autotuning' is accepted but ignored" in messages
     assert "'curriculum_learning' is accepted but ignored" in messages
 
 
