@@ -6,7 +6,10 @@ sparse / row / head / channel pruning and layer reduction, configured by the
 
 Entry points: :func:`init_compression`, :func:`redundancy_clean`,
 :func:`student_initialization` (also at ``shardspeed.compression.compress``), the
-:class:`compression_scheduler`, and :func:`build_compression_hook` for the engine.
+:class:`compression_scheduler`, :func:`build_compression_hook` for the engine, the
+distillation losses (:func:`kd_loss`, :func:`hidden_state_mse`, :class:`capture_outputs`)
+and :func:`set_weight_group_size` (kernel-shaped weight groups). DeepSpeed's layer classes
+(``LinearLayer_Compress``, ...) are in :mod:`shardspeed.compression.basic_layer`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from shardspeed.compression.compress import (
     redundancy_clean,
     student_initialization,
 )
+from shardspeed.compression.distillation import capture_outputs, hidden_state_mse, kd_loss
 from shardspeed.compression.engine_hook import CompressionTrainingHook, build_compression_hook
+from shardspeed.compression.group_size import set_weight_group_size
 from shardspeed.compression.helper import convert_conv1d_to_linear
 from shardspeed.compression.scheduler import CompressionScheduler, compression_scheduler
 from shardspeed.config.compression import CompressionConfig, get_compression_config
@@ -29,11 +34,15 @@ __all__ = [
     "CompressionScheduler",
     "CompressionTrainingHook",
     "build_compression_hook",
+    "capture_outputs",
     "compression_scheduler",
     "convert_conv1d_to_linear",
     "get_compression_config",
+    "hidden_state_mse",
     "init_compression",
+    "kd_loss",
     "redundancy_clean",
+    "set_weight_group_size",
     "student_initialization",
 ]
 

@@ -25,10 +25,12 @@ from typing import Any
 from torch import nn
 
 from shardspeed.compression.conv import CompressedConv2d
+from shardspeed.compression.engine_hook import refuse_tensor_parallel
 from shardspeed.compression.linear import CompressedEmbedding, CompressedLinear
 from shardspeed.compression.matching import get_submodule, wrap_compressible
 from shardspeed.compression.plan import GroupPlan, plan_all
 from shardspeed.compression.shrink import fold_group
+from shardspeed.compression.zero3 import gather_zero3, is_partitioned
 from shardspeed.config.compression import (
     ACTIVATION_QUANTIZATION,
     CHANNEL_PRUNING,
@@ -67,13 +69,18 @@ def _refuse_mpu(mpu: Any) -> None:
         )
 
 
+def _torch_layer(cls: type) -> str:
+    """The ``torch.nn`` layer a compressed class extends (``Linear`` for ``CompressedLinear``)."""
+    return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("torch.nn"))
+
+
 def _attach(module: nn.Module, name: str, plan: GroupPlan) -> None:
     supported = _SUPPORTS[plan.technique]
     if not isinstance(module, supported):
-        kinds = ", ".join(t.__mro__[1].__name__ for t in supported)
+        kinds = ", ".join(_torch_layer(t) for t in supported)
         raise ValueError(
             f"compression_training.{plan.technique}.different_groups.{plan.name}: module "
-            f"'{name}' is a {type(module).__mro__[1].__name__}; allowed for {plan.technique}: "
+            f"'{name}' is a {_torch_layer(type(module))}; allowed for {plan.technique}: "
             f"{kinds}. Fix: narrow the group's 'modules' patterns to exclude it."
         )
     shared, params = plan.shared, plan.params
@@ -125,6 +132,9 @@ def init_compression(
     _refuse_mpu(mpu)
     config = get_compression_config(deepspeed_config)
     inner = _unwrap(model)
+    reduction = ["layer_reduction"] if config.layer_reduction.enabled else []
+    refuse_tensor_parallel(inner, config.enabled_techniques() + reduction)
+    _refuse_partitioned(inner)
     if config.layer_reduction.enabled:
         if teacher_model is None:
             raise ValueError(
@@ -148,6 +158,17 @@ def init_compression(
     return model
 
 
+def _refuse_partitioned(model: nn.Module) -> None:
+    if any(is_partitioned(p) for p in model.parameters()):
+        raise ValueError(
+            "init_compression: the model's parameters are ZeRO-3 partitioned (built under "
+            "zero.Init, or already in a stage-3 engine), so l1 masks and head sizes cannot "
+            "be computed from whole weights; allowed: a model with whole parameters. Fix: "
+            "build the model without zero.Init and call init_compression before "
+            "shardspeed.initialize (stage 3 partitions it afterwards)."
+        )
+
+
 def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -> nn.Module:
     """Fold every technique into plain weights and remove what pruning dropped.
 
@@ -157,12 +178,18 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     inputs of the related modules (without them, the pruned parts are zeroed). Attention
     modules whose q/k/v lost heads get their head-count attributes updated.
 
+    Under ZeRO stage 3 pass the engine: every rank gathers the whole weights (a
+    collective), the engine is destroyed (its hooks removed) and the cleaned full module is
+    returned instead of the engine; save it with ``save_pretrained`` / ``torch.save``.
+
     Returns:
-        ``model``, changed in place.
+        ``model``, changed in place (the engine's module for a ZeRO-3 engine).
     """
     _refuse_mpu(mpu)
     config = get_compression_config(deepspeed_config)
     inner = _unwrap(model)
+    if gather_zero3(model):
+        model = inner  # the engine is destroyed: the module is a plain, full model now
     for plan in plan_all(inner, config):
         fold_group(inner, plan)
     return model

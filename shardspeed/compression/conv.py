@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardspeed.compression.quantizers import topk_mask, topk_mask_ste
-from shardspeed.compression.technique_state import CompressionState, uniform_scores
+from shardspeed.compression.pruning_mask import CHANNEL
+from shardspeed.compression.technique_state import CompressionState
 
 
 class CompressedConv2d(nn.Conv2d, CompressionState):
@@ -52,21 +52,15 @@ class CompressedConv2d(nn.Conv2d, CompressionState):
         """l1: keep the output channels of largest kernel L1 norm; topk: learned scores."""
         self.channel_pruning_ratio = dense_ratio
         self.channel_pruning_method = method
-        mask = None
+        ranking = None
         if method == "l1":
             # L1 norm of each kernel (DeepSpeed's linalg.norm(ord=1, dim=[1, 2, 3]) raises)
-            kernel_norm = self.weight.data.abs().sum(dim=(1, 2, 3))  # (out,)
-            mask = topk_mask(kernel_norm, dense_ratio).view(-1, 1, 1, 1)
-        else:
-            self.channel_mask_scores = uniform_scores(
-                (self.out_channels, 1, 1, 1), self.weight.device
-            )
-        self.register_buffer("channel_pruning_mask", mask)
+            ranking = self.weight.data.abs().sum(dim=(1, 2, 3)).view(-1, 1, 1, 1)  # (out,1,1,1)
+        CHANNEL.attach(self, method, dense_ratio, ranking, (self.out_channels, 1, 1, 1))
 
     def channel_mask(self) -> torch.Tensor:
-        if self.channel_pruning_method == "l1":
-            return self.channel_pruning_mask.to(self.weight.device)
-        return topk_mask_ste(self.channel_mask_scores, self.channel_pruning_ratio)
+        assert self.channel_pruning_method is not None
+        return CHANNEL.mask(self, self.channel_pruning_method, self.channel_pruning_ratio)
 
     def fix_channel_pruning(
         self, mask: torch.Tensor | None = None, dim_reduction: bool = False
@@ -90,9 +84,7 @@ class CompressedConv2d(nn.Conv2d, CompressionState):
             self.weight.data = self.weight.data * keep.view(-1, 1, 1, 1)
             if self.bias is not None:
                 self.bias.data = self.bias.data * keep
-        del self.channel_pruning_mask
-        if self.channel_pruning_method == "topk":
-            del self.channel_mask_scores
+        CHANNEL.drop(self, self.channel_pruning_method)
         self.channel_pruning_method = None
         self.channel_pruning_enabled = False
         return keep

@@ -56,16 +56,44 @@ def build_compression_hook(
 ) -> CompressionTrainingHook | None:
     """The hook for an engine, or None when the ds_config enables no compression technique.
 
+    Under ZeRO stage 3 every technique that acts in forward works (the stage-3 unit gathers
+    the layer's weight and mask scores before its forward runs); weight quantization in
+    place (MoQ, ``quantize_weight_in_forward: false``) is refused, as is a tensor-parallel
+    model.
+
     Raises:
-        ValueError: compression with ZeRO stage 3 (partitioned parameters are not folded).
+        ValueError: in-place weight quantization with ZeRO stage 3, or a model sharded by
+            AutoTP / ``tp_model_init``.
     """
     config = get_compression_config(ds_config)
-    if not config.enabled_techniques():
+    techniques = config.enabled_techniques()
+    if not techniques:
         return None
-    if zero_stage >= 3:
+    refuse_tensor_parallel(module, techniques)
+    wq = config.weight_quantization.shared_parameters
+    if zero_stage >= 3 and wq.enabled and not wq.quantize_weight_in_forward:
         raise ValueError(
-            f"zero_optimization.stage={zero_stage} with compression_training: masks and "
-            "in-place quantization need whole parameters on every rank; allowed: stage 0, 1 "
-            "or 2. Fix: train the compression run with ZeRO stage 2 or lower."
+            f"zero_optimization.stage={zero_stage} with compression_training."
+            "weight_quantization.shared_parameters.quantize_weight_in_forward=false: in-place "
+            "(MoQ) quantization rewrites whole weights after each step, but stage 3 keeps only "
+            "a shard of each weight on a rank between forwards; allowed at stage 3: "
+            "quantize_weight_in_forward=true. Fix: set quantize_weight_in_forward to true "
+            "(float masters, quantized in each forward) or train with ZeRO stage 0-2."
         )
     return CompressionTrainingHook(module, config)
+
+
+def refuse_tensor_parallel(module: nn.Module, techniques: list[str]) -> None:
+    """Refuse compression of a model whose linears are tensor-parallel slices."""
+    plan = getattr(module, "shardspeed_tp", None)
+    if plan is None or not techniques:
+        return
+    raise ValueError(
+        f"compression_training ({', '.join(techniques)}) on a model sharded for tensor "
+        f"parallelism (tp_size={getattr(plan, 'tp_size', '?')}): each rank holds slices of "
+        "the linears, so l1 / top-k masks, head blocks and quantization groups would be "
+        "chosen per slice, not for the whole layer, and redundancy_clean could not shrink "
+        "across ranks; allowed: tensor_parallel.autotp_size 1 (ZeRO 0-3 data parallel). "
+        "Fix: compress and redundancy_clean the unsliced model, then serve it with "
+        "tensor parallelism (init_inference / pipeline(tensor_parallel=...))."
+    )

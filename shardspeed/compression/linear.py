@@ -18,8 +18,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shardspeed.compression.quantizers import topk_mask, topk_mask_ste
-from shardspeed.compression.technique_state import CompressionState, uniform_scores
+from shardspeed.compression.pruning_mask import ROW, uniform_scores
+from shardspeed.compression.quantizers import topk_mask_ste
+from shardspeed.compression.technique_state import CompressionState
 
 
 class CompressedLinear(nn.Linear, CompressionState):
@@ -53,18 +54,14 @@ class CompressedLinear(nn.Linear, CompressionState):
         """l1: keep the rows of largest L1 norm; topk: learned row scores ``(out, 1)``."""
         self.row_pruning_ratio = dense_ratio
         self.row_pruning_method = method
-        mask = None
+        ranking = None
         if method == "l1":
-            row_norm = torch.linalg.norm(self.weight.data, ord=1, dim=1)  # (out,)
-            mask = topk_mask(row_norm, dense_ratio).view(-1, 1)
-        else:
-            self.row_mask_scores = uniform_scores((self.out_features, 1), self.weight.device)
-        self.register_buffer("row_pruning_mask", mask)
+            ranking = torch.linalg.norm(self.weight.data, ord=1, dim=1).view(-1, 1)  # (out, 1)
+        ROW.attach(self, method, dense_ratio, ranking, (self.out_features, 1))
 
     def row_mask(self) -> torch.Tensor:
-        if self.row_pruning_method == "l1":
-            return self.row_pruning_mask.to(self.weight.device)
-        return topk_mask_ste(self.row_mask_scores, self.row_pruning_ratio)
+        assert self.row_pruning_method is not None
+        return ROW.mask(self, self.row_pruning_method, self.row_pruning_ratio)
 
     def fix_row_pruning(
         self, mask: torch.Tensor | None = None, dim_reduction: bool = False
@@ -89,9 +86,7 @@ class CompressedLinear(nn.Linear, CompressionState):
             self.weight.data = self.weight.data * keep.view(-1, 1)
             if self.bias is not None:
                 self.bias.data = self.bias.data * keep
-        del self.row_pruning_mask
-        if self.row_pruning_method == "topk":
-            del self.row_mask_scores
+        ROW.drop(self, self.row_pruning_method)
         self.row_pruning_method = None
         self.row_pruning_enabled = False
         return keep
@@ -155,7 +150,8 @@ class CompressedLinear(nn.Linear, CompressionState):
         return keep
 
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def compressed_weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias this forward multiplies by (quantized and masked as enabled)."""
         weight, bias = self.quantized_weight(self.weight), self.bias
         if self.sparse_pruning_enabled and self.sparse_pruning_method:
             weight = weight * self.sparse_mask().view(self.weight.size())
@@ -166,6 +162,10 @@ class CompressedLinear(nn.Linear, CompressionState):
                 bias = bias * mask.view(-1)
         if self.head_pruning_enabled and self.head_pruning_method:
             weight = self._mask_heads(weight, self.head_mask())
+        return weight, bias
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.compressed_weight_and_bias()
         # dynamic activation ranges are per token: (..., in) -> numel / in groups
         input = self.quantized_input(input, input.numel() // input.size(-1))
         return F.linear(input, weight, bias)

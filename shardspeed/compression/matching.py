@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from shardspeed.compression.basic_layer import (
+    BNLayer_Compress,
+    Conv2dLayer_Compress,
+    Embedding_Compress,
+    LinearLayer_Compress,
+)
 from shardspeed.compression.conv import CompressedBatchNorm2d, CompressedConv2d
 from shardspeed.compression.linear import CompressedEmbedding, CompressedLinear
 
@@ -97,11 +103,11 @@ def compressed_copy(module: nn.Module) -> nn.Module:
     factory = {"device": reference.device, "dtype": reference.dtype}
     new: nn.Module
     if isinstance(module, nn.Linear):
-        new = CompressedLinear(
+        new = LinearLayer_Compress(
             module.in_features, module.out_features, bias=module.bias is not None
         )
     elif isinstance(module, nn.Conv2d):
-        new = CompressedConv2d(
+        new = Conv2dLayer_Compress(
             module.in_channels,
             module.out_channels,
             module.kernel_size,
@@ -113,7 +119,7 @@ def compressed_copy(module: nn.Module) -> nn.Module:
             module.padding_mode,
         )
     elif isinstance(module, nn.Embedding):
-        new = CompressedEmbedding(
+        new = Embedding_Compress(
             module.num_embeddings,
             module.embedding_dim,
             module.padding_idx,
@@ -124,7 +130,7 @@ def compressed_copy(module: nn.Module) -> nn.Module:
         )
     else:
         assert isinstance(module, nn.BatchNorm2d)
-        new = CompressedBatchNorm2d(
+        new = BNLayer_Compress(
             module.num_features,
             module.eps,
             module.momentum,

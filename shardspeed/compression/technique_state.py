@@ -12,18 +12,16 @@ DeepSpeed's (``sparse_pruning_mask``, ``sparse_mask_scores``, ...) so state dict
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from shardspeed.compression.pruning_mask import SPARSE
 from shardspeed.compression.quantizers import (
     quantize_activation_ste,
     quantize_weight,
     quantize_weight_ste,
-    topk_mask,
-    topk_mask_ste,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,13 +38,6 @@ class BitSchedule:
     bits: int
     target_bits: int
     period: int
-
-
-def uniform_scores(shape: tuple[int, ...], device: torch.device) -> nn.Parameter:
-    """Learnable mask scores, initialised like ``nn.Linear`` weights (one global-RNG draw)."""
-    scores = nn.Parameter(torch.empty(shape, device=device))
-    nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
-    return scores
 
 
 class StaticActivationRange(nn.Module):
@@ -147,26 +138,19 @@ class CompressionState:
         """l1: fixed mask of the largest |w|; topk: learned scores (one RNG draw)."""
         self.sparse_pruning_ratio = dense_ratio
         self.sparse_pruning_method = method
-        mask = None
-        if method == "l1":
-            mask = topk_mask(torch.abs(self.weight.data), dense_ratio).view(self.weight.size())
-        else:
-            self.sparse_mask_scores = uniform_scores(tuple(self.weight.size()), self.weight.device)
-        self.register_buffer("sparse_pruning_mask", mask)  # type: ignore[attr-defined]
+        ranking = torch.abs(self.weight.data) if method == "l1" else None
+        SPARSE.attach(self, method, dense_ratio, ranking, tuple(self.weight.size()))  # type: ignore[arg-type]
 
     def sparse_mask(self) -> torch.Tensor:
-        if self.sparse_pruning_method == "l1":
-            return self.sparse_pruning_mask.to(self.weight.device)
-        return topk_mask_ste(self.sparse_mask_scores, self.sparse_pruning_ratio)
+        assert self.sparse_pruning_method is not None
+        return SPARSE.mask(self, self.sparse_pruning_method, self.sparse_pruning_ratio)  # type: ignore[arg-type]
 
     def fix_sparse_pruning(self) -> None:
         """Multiply the mask into the weight and drop the mask (and scores)."""
         if self.sparse_pruning_method is None:
             return
         self.weight.data = self.weight.data * self.sparse_mask().data
-        del self.sparse_pruning_mask
-        if self.sparse_pruning_method == "topk":
-            del self.sparse_mask_scores
+        SPARSE.drop(self, self.sparse_pruning_method)  # type: ignore[arg-type]
         self.sparse_pruning_method = None
         self.sparse_pruning_enabled = False
 

@@ -9,7 +9,8 @@ Every group ``g`` of row ``n`` has a scale ``s[n, g]`` and, when asymmetric, a z
 
 Integer ranges (``z`` is 0 / 8 for symmetric int8 / int4)::
 
-    int8 symmetric   q in [-127, 127]  s = absmax / 127
+    int8 symmetric   q in [-127, 127]  s = absmax / 127 (a weight already on a symmetric
+                     grid keeps it: q in [-128, 127], see ``_symmetric_grid``)
     int8 asymmetric  q in [-128, 127]  s = (max - min) / 255, z = round(-128 - min / s)
     int4 symmetric   q in [0, 15]      s = absmax / 7 (q - 8 in [-8, 7])
     int4 asymmetric  q in [0, 15]      s = (max - min) / 15, z = round(-min / s)
@@ -109,7 +110,13 @@ def quantize_weight(
     if bits == 4 and k % 2 != 0:
         raise ValueError(f"int4 needs an even in_features (two values per byte), got {k}.")
     w = weight.detach().float().reshape(n, k // gs, gs)  # (N, G, gs)
-    if symmetric:
+    grid = _symmetric_grid(w, bits) if symmetric else None
+    if grid is not None:  # already quantized (compression's redundancy_clean): kept exactly
+        q, scales = grid
+        if bits == 4:
+            q = q + 8.0
+        zeros = None
+    elif symmetric:
         qmax = 127.0 if bits == 8 else 7.0
         scales = (w.abs().amax(-1) / qmax).clamp_min(_EPS)  # (N, G)
         q = torch.round(w / scales[..., None]).clamp(-qmax - (bits == 4), qmax)
@@ -127,6 +134,27 @@ def quantize_weight(
     q = q.reshape(n, k)  # (N, K)
     qdata = q.to(torch.int8) if bits == 8 else pack_int4(q.to(torch.int32))
     return QuantizedWeight(qdata, scales.contiguous(), zeros, bits, gs, (n, k))
+
+
+def _symmetric_grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(q, scales)`` when every group of ``w`` ``(N, G, gs)`` already lies on a symmetric
+    ``bits`` grid ``q * s``, q in ``[-2**(bits-1), 2**(bits-1) - 1]`` (what weight
+    quantization in training leaves, e.g. ``shardspeed.compression.redundancy_clean``);
+    else None. The step is the group's absmax over ``2**(bits-1)`` when the lowest level
+    is used (``-min > max``), else over ``2**(bits-1) - 1``; every value must sit within 15%
+    of a step of the grid: fp16 copies of grid values do (<= 2 * 2**-11 * 128 steps off),
+    bf16 copies and trained weights do not, and a weight that did by chance would still be
+    rounded closer than by the plain absmax rule (same or finer step).
+    """
+    half = float(2 ** (bits - 1))
+    absmax = w.abs().amax(-1)  # (N, G)
+    negative_extreme = -w.amin(-1) > w.amax(-1)  # (N, G): level -2**(bits-1) is used
+    scales = (absmax / torch.where(negative_extreme, half, half - 1)).clamp_min(_EPS)  # (N, G)
+    q = torch.round(w / scales[..., None])  # (N, G, gs)
+    on_grid = (q * scales[..., None] - w).abs() <= 0.15 * scales[..., None]
+    if not bool(on_grid.all()) or q.min() < -half or q.max() > half - 1:
+        return None
+    return q, scales
 
 
 def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
