@@ -37,7 +37,7 @@ class FlatBucket:
         self.whole = (span.start, span.end) == (self.bucket.start, self.bucket.end)
         self.streams_to_host = bool(group.host_grads) and self.whole
         self.group_index = group_index
-        if group.residency.gathers:  # stage 3: one slot per unit flat
+        if group.residency.around_use:  # stage 3: one slot per unit flat
             self.label = group.label
         else:
             self.label = f"group {group_index} bucket {self.bucket.index}"

@@ -46,7 +46,7 @@ def _nbytes(t: torch.Tensor | None) -> int:
 class WholeResidency:
     """Stages 0-2: the full flat buffer is always present (parameters are views into it)."""
 
-    gathers = False
+    around_use = False  # the full buffer is always present
 
     def __init__(self, full: torch.Tensor, layout: FlatLayout, rank: int) -> None:
         self.full: torch.Tensor = full  # (layout.numel,) param dtype
@@ -92,7 +92,7 @@ class GatheredResidency:
     offload runtime chooses (after which the device copy may be gone).
     """
 
-    gathers = True
+    around_use = True  # the full buffer exists only between gather and release
 
     def __init__(
         self,

@@ -44,7 +44,15 @@ def _orthogonal(u: torch.Tensor) -> torch.Tensor:
 
 
 def reference(steps: int) -> list[dict[str, torch.Tensor]]:
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run; restored: this runs in the pytest process
+    try:
+        return _reference(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(steps: int) -> list[dict[str, torch.Tensor]]:
     model = make_model(SPEC)
     named = dict(model.named_parameters())
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

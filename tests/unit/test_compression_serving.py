@@ -59,7 +59,15 @@ def test_grid_detection_hand_values():
 def test_pipeline_serves_cleaned_model_token_exact(tmp_path, bits, group_size):
     from shardspeed.inference.serving.pipeline import pipeline
 
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # restored: later tests in this process keep the default
+    try:
+        _serve_cleaned(tmp_path, bits, group_size, pipeline)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _serve_cleaned(tmp_path, bits, group_size, pipeline) -> None:
     gpt = _cleaned_gpt(bits, group_size)
     gpt.save_pretrained(tmp_path / "ckpt")
     prompts = [[5, 9, 17, 33, 2], [7, 7, 8]]
