@@ -14,8 +14,6 @@ it, and an error is sent to rank 0 as a traceback before the worker exits.
 
 from __future__ import annotations
 
-import signal
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,6 +32,7 @@ from shardspeed.inference.fastgen.tensor_parallel.group import (
     join_store,
     new_process_group,
 )
+from shardspeed.inference.fastgen.worker_entry import run_worker, worker_device
 
 
 @dataclass(frozen=True)
@@ -51,24 +50,11 @@ class ExpertWorkerArgs:
 
 def expert_worker_main(conn: Connection, args: ExpertWorkerArgs) -> None:
     """Entry point of a spawned worker; returns when rank 0 says stop or goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    try:
-        _serve(conn, args)
-    except EOFError:  # rank 0 closed its end (exited or dropped the engine)
-        return
-    except BaseException:
-        try:
-            conn.send((msg.ERROR, traceback.format_exc()))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
+    run_worker(_serve, conn, args, msg.ERROR)
 
 
 def _serve(conn: Connection, args: ExpertWorkerArgs) -> None:
-    torch.set_num_threads(args.num_threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = worker_device(args.num_threads, args.device)
     rank, world_size = args.placement.rank, args.placement.ep_size
     handle = GroupHandle()
     comm = GroupComm(handle, world_size)

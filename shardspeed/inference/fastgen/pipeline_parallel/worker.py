@@ -18,9 +18,7 @@ send. On any error it sends the traceback to rank 0 and exits.
 
 from __future__ import annotations
 
-import signal
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -36,6 +34,7 @@ from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.sampling import finite_logits
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 from shardspeed.inference.fastgen.tensor_parallel.group import join_store, new_process_group
+from shardspeed.inference.fastgen.worker_entry import run_worker, worker_device
 
 # Sends to the next stage not yet known complete; the oldest is waited for beyond this.
 MAX_PENDING_SENDS = 8
@@ -102,24 +101,11 @@ def last_stage_result(
 
 def stage_worker_main(conn: Connection, args: StageWorkerArgs) -> None:
     """Entry point of a spawned stage worker; returns when rank 0 says stop or goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    try:
-        _serve(conn, args)
-    except EOFError:  # rank 0 closed its end (exited or dropped the engine)
-        return
-    except BaseException:
-        try:
-            conn.send((msg.ERROR, traceback.format_exc()))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
+    run_worker(_serve, conn, args, msg.ERROR)
 
 
 def _serve(conn: Connection, args: StageWorkerArgs) -> None:
-    torch.set_num_threads(args.num_threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = worker_device(args.num_threads, args.device)
     layout = args.layout
     stage = build_stage_model(args.source, layout, args.dtype, device, args.quantization)
     info = msg.StageInfo(stage.layer_bytes(), stage.total_bytes(), stage.hidden_size, stage.dtype)

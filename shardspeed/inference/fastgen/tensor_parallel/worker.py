@@ -15,8 +15,6 @@ connections so rank 0's pending collective fails instead of waiting.
 
 from __future__ import annotations
 
-import signal
-import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,6 +31,7 @@ from shardspeed.inference.fastgen.tensor_parallel.group import (
     join_store,
     new_process_group,
 )
+from shardspeed.inference.fastgen.worker_entry import run_worker, worker_device
 
 
 @dataclass(frozen=True)
@@ -50,24 +49,11 @@ class WorkerArgs:
 
 def worker_main(conn: Connection, args: WorkerArgs) -> None:
     """Entry point of a spawned worker; returns when rank 0 says stop or goes away."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    try:
-        _serve(conn, args)
-    except EOFError:  # rank 0 closed its end (exited or dropped the engine)
-        return
-    except BaseException:
-        try:
-            conn.send((msg.ERROR, traceback.format_exc()))
-        except OSError:
-            pass
-        raise SystemExit(1) from None
+    run_worker(_serve, conn, args, msg.ERROR)
 
 
 def _serve(conn: Connection, args: WorkerArgs) -> None:
-    torch.set_num_threads(args.num_threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = worker_device(args.num_threads, args.device)
     handle = GroupHandle()
     shard = TensorShard(args.rank, args.world_size, handle.all_reduce)
     model, _ = build_model(args.source, args.dtype, device, args.quantization, shard)
