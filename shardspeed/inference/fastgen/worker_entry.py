@@ -1,4 +1,4 @@
-"""The common start of a spawned FastGen worker (tensor, pipeline or expert parallel).
+"""The common start and stop of spawned FastGen workers (tensor, pipeline or expert parallel).
 
 Each multi-process engine keeps rank 0 in the caller's process and spawns the other ranks;
 every spawned worker runs its own serve loop inside :func:`run_worker`, which ignores
@@ -9,9 +9,11 @@ failure to rank 0 with its traceback before exiting with status 1.
 from __future__ import annotations
 
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import TypeVar
 
 import torch
@@ -43,3 +45,27 @@ def worker_device(num_threads: int, device: str) -> torch.device:
     if out.type == "cuda":
         torch.cuda.set_device(out)
     return out
+
+
+STOP_TIMEOUT_S = 5.0  # a worker asked to stop is terminated after this
+
+
+def stop_workers(procs: list[BaseProcess], conns: list[Connection], stop_tag: str) -> None:
+    """Rank 0's side: ask each worker to stop, then terminate (and kill) those that do not."""
+    for conn in conns:
+        try:
+            conn.send((stop_tag, None))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for conn in conns:
+        conn.close()

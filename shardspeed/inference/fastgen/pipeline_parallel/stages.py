@@ -38,12 +38,12 @@ from shardspeed.inference.fastgen.pipeline_parallel.worker import (
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 from shardspeed.inference.fastgen.tensor_parallel.group import new_process_group, open_store
 from shardspeed.inference.fastgen.tensor_parallel.peers import worker_devices
+from shardspeed.inference.fastgen.worker_entry import stop_workers
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of one worker
-STOP_TIMEOUT_S = 5.0  # a worker asked to stop is terminated after this
 RESULT_TIMEOUT_S = 300.0  # a micro-batch whose result takes longer fails the engine
 _ERROR_GRACE_S = 2.0  # how long a failure waits for the workers' own error messages
 
@@ -65,7 +65,7 @@ class PipelineStages:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()  # hidden states in flight
         self._results: deque[Result] = deque()  # results read ahead of a timers reply
         self._broken: str | None = None
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, stop_workers, self._procs, self._conns, msg.STOP)
 
     @classmethod
     def spawn(
@@ -311,27 +311,6 @@ class PipelineStages:
 def _as_result(payload: tuple[list[int], np.ndarray]) -> Result:
     tokens, rows = payload
     return tokens, torch.from_numpy(rows)
-
-
-def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
-    """Ask each worker to stop, then terminate (and kill) those that do not."""
-    for conn in conns:
-        try:
-            conn.send((msg.STOP, None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(1.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1.0)
-    for conn in conns:
-        conn.close()
 
 
 class PipelineKVCache(KVCache):

@@ -37,12 +37,12 @@ from shardspeed.inference.fastgen.tensor_parallel.group import (
     open_store,
 )
 from shardspeed.inference.fastgen.tensor_parallel.worker import WorkerArgs, worker_main
+from shardspeed.inference.fastgen.worker_entry import stop_workers
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # spawn + import + load of one worker
-STOP_TIMEOUT_S = 5.0  # a worker asked to stop is terminated after this
 _ERROR_GRACE_S = 2.0  # how long a failure waits for the workers' own error messages
 
 
@@ -77,7 +77,7 @@ class TensorParallelPeers:
         self._conns: list[Connection] = []
         self._store: Any = None
         self._broken: str | None = None
-        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns)
+        self._finalizer = weakref.finalize(self, stop_workers, self._procs, self._conns, msg.STOP)
 
     @classmethod
     def spawn(
@@ -237,27 +237,6 @@ class TensorParallelPeers:
     @property
     def alive(self) -> bool:
         return self._broken is None
-
-
-def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
-    """Ask each worker to stop, then terminate (and kill) those that do not."""
-    for conn in conns:
-        try:
-            conn.send((msg.STOP, None))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(1.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1.0)
-    for conn in conns:
-        conn.close()
 
 
 class ShardedKVCache(KVCache):
