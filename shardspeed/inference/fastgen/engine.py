@@ -329,23 +329,8 @@ class InferenceEngine:
         tokens = self._sample(logits, sampled, outputs)  # None where sampling failed
         now = time.perf_counter()
         for row, (req, token) in enumerate(zip(sampled, tokens)):
-            if token is None:
-                continue
-            try:
-                if req.params.needs_logprobs:
-                    self._record_logprob(req, logits[row : row + 1], token)  # [1, V]
-                if req.guide is not None:
-                    req.guide.accept(token)
-                reason = self.output_processor.append(req, token, now)
-                if reason is None and req.guide is not None and req.guide.is_finished:
-                    reason = "stop"  # the grammar is complete
-            except Exception as exc:  # a detokenizer or stop-check failure of this request
-                self._fail(req, exc, outputs)
-                continue
-            if reason is not None:
-                self.scheduler.finish(req, reason, now)
-                self._requests.pop(req.request_id, None)
-            outputs.append(req.make_output())
+            if token is not None:
+                self._append_token(req, token, logits[row : row + 1], now, outputs)  # [1, V]
         self._num_steps += 1
         self._tokens_generated += sum(t is not None for t in tokens)
         return outputs
@@ -473,6 +458,32 @@ class InferenceEngine:
                     self._fail(req, exc, outputs)
                     tokens.append(None)
             return tokens
+
+    def _append_token(
+        self,
+        req: Request,
+        token: int,
+        row_logits: torch.Tensor | None,
+        now: float,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """One sampled token of ``req``: its logprob (``row_logits``: [1, V]), the grammar of
+        structured output, the detokenized text and stop checks; then one output."""
+        try:
+            if row_logits is not None and req.params.needs_logprobs:
+                self._record_logprob(req, row_logits, token)
+            if req.guide is not None:
+                req.guide.accept(token)
+            reason = self.output_processor.append(req, token, now)
+            if reason is None and req.guide is not None and req.guide.is_finished:
+                reason = "stop"  # the grammar is complete
+        except Exception as exc:  # a detokenizer or stop-check failure of this request
+            self._fail(req, exc, outputs)
+            return
+        if reason is not None:
+            self.scheduler.finish(req, reason, now)
+            self._requests.pop(req.request_id, None)
+        outputs.append(req.make_output())
 
     def _fail(self, req: Request, exc: Exception, outputs: list[RequestOutput]) -> None:
         """Finish ``req`` with ``finish_reason="error"``, keeping ``exc`` for take_error."""

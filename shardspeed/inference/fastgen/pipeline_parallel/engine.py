@@ -289,23 +289,8 @@ class PipelineInferenceEngine(InferenceEngine):
             )
         now = time.perf_counter()
         for req, token, row_logits in picked:
-            if token is None or req.is_finished:
-                continue
-            try:
-                if row_logits is not None and req.params.needs_logprobs:
-                    self._record_logprob(req, row_logits, token)
-                if req.guide is not None:
-                    req.guide.accept(token)
-                reason = self.output_processor.append(req, token, now)
-                if reason is None and req.guide is not None and req.guide.is_finished:
-                    reason = "stop"  # the grammar is complete
-            except Exception as exc:  # a detokenizer or stop-check failure of this request
-                self._fail(req, exc, outputs)
-                continue
-            if reason is not None:
-                self.scheduler.finish(req, reason, now)
-                self._requests.pop(req.request_id, None)
-            outputs.append(req.make_output())
+            if token is not None and not req.is_finished:
+                self._append_token(req, token, row_logits, now, outputs)
         self._tokens_generated += sum(t is not None for _, t, _ in picked)
 
     def _fail_all(self, error: PipelineParallelError, outputs: list[RequestOutput]) -> None:
