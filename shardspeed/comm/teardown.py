@@ -10,7 +10,9 @@ SIGABRT) after the script itself succeeded -- in about one run in five of a shor
 
 :func:`install` registers an ``atexit`` hook that destroys every process group while the
 interpreter is still whole: torch joins the worker threads, and they finish their releases
-because the main thread waits with the GIL released. The destruction runs on a helper
+because the main thread waits with the GIL released. A garbage collection follows, so a
+group that only unreachable objects still hold (an engine's checkpoint group, say) is freed
+and its threads joined then too, not during finalisation. The destruction runs on a helper
 thread joined with a bound (``SHARDSPEED_EXIT_TEARDOWN_TIMEOUT`` seconds, default
 :data:`DEFAULT_TIMEOUT_S`), so a collective stuck on a dead peer can delay exit by at most
 that much, never hang it. A script that destroys its groups itself is left alone.
@@ -19,6 +21,7 @@ that much, never hang it. A script that destroys its groups itself is left alone
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import threading
 
@@ -61,6 +64,11 @@ def teardown(timeout_s: float) -> bool:
     def destroy() -> None:
         try:
             dist.destroy_process_group()
+            # A group that an unreachable object still holds (an engine and its hooks form
+            # reference cycles; its checkpoint group ran the script's last collective) keeps
+            # its gloo threads after destroy_process_group(); collecting frees it now, while
+            # the interpreter is whole, instead of during finalisation.
+            gc.collect()
         except BaseException as exc:  # reported by the caller
             failure.append(exc)
 
