@@ -12,14 +12,17 @@ Embeddings, LM heads, norms, biases and every non-2-D tensor train with AdamW in
 (:func:`uses_muon`: the rule, overridable per parameter or per param group).
 
 **Flat masters.** The engine steps flat buckets of concatenated parameters, sharded over
-the data ranks at ZeRO 1/2. The momentum and ``u`` are elementwise, but Newton-Schulz needs
-each matrix whole, so the engine hands over every parameter's place in the buckets
-(:meth:`Muon.set_matrix_layout`) and, per Muon bucket and step, ``u`` is all-gathered over
-the ranks sharing the bucket; each rank orthogonalises the matrices that overlap its shard
-(about 1/N of them, those crossing a shard edge on both sides) and keeps its own slice.
-Cost per step: one fp32 all-gather of every Muon bucket (the bytes of a ZeRO-2 parameter
-all-gather in fp32), no extra memory beyond one bucket. Results equal unsharded Muon.
-AdamW groups are elementwise and need nothing.
+the data ranks at ZeRO 1-3 (at stage 3 each layer unit is one bucket, also under
+``zero.Init``). The momentum and ``u`` are elementwise, but Newton-Schulz needs each
+matrix whole, so the engine hands over every parameter's place in the buckets
+(:meth:`Muon.set_matrix_layout`). Where a bucket is sharded, every matrix has one owner
+among the ranks holding a piece of it (balanced by size); per step, one all-to-all sends
+each owner the pieces of its matrices, the owner orthogonalises them, and a second
+all-to-all returns each rank its slice (:mod:`shardspeed.ops.muon_owners`). Results equal
+unsharded Muon. With tensor parallelism a column- or row-parallel weight's fragment also
+carries a ``split``: its matrix is all-gathered over the tensor axis, orthogonalised
+whole, and cut back to this rank's rows or columns. AdamW groups are elementwise and
+need nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from shardspeed.ops._validate import check_betas, check_non_negative
+from shardspeed.ops.muon_owners import (
+    BucketMatrix,
+    ExchangePlan,
+    assign_owners,
+    exchange,
+    plan_exchange,
+)
 from shardspeed.ops.newton_schulz import NS_METHODS, orthogonalise
 from shardspeed.utils.logging import warning_once
 
@@ -45,11 +55,13 @@ def uses_muon(name: str, param: Tensor, embeddings: set[int]) -> bool:
     """The rule: Muon for tensors with >= 2 dimensions except embeddings (``nn.Embedding``
     weights, ``id`` in ``embeddings``, and names containing ``embed``) and LM heads (names
     containing ``lm_head``, or tied to an embedding). A ``use_muon`` attribute on the
-    parameter overrides it."""
+    parameter overrides it. Parameters partitioned by ``zero.Init`` count by their full
+    shape (``ds_shape``), not by their empty local tensor."""
     flag = getattr(param, "use_muon", None)
     if flag is not None:
         return bool(flag)
-    if param.dim() < 2 or id(param) in embeddings:
+    shape = getattr(param, "ds_shape", param.shape)  # zero.Init: the logical shape, not (0,)
+    if len(shape) < 2 or id(param) in embeddings:
         return False
     return not any(key in name.lower() for key in _ADAM_NAMES)
 
@@ -77,13 +89,17 @@ def split_muon_groups(model: nn.Module, groups: list[dict[str, Any]]) -> list[di
 class MatrixFragment:
     """Elements [start, start + length) of a parameter of ``shape`` (flattened), at
     ``local`` in this rank's master; ``bucket_offset``: the parameter's first element in
-    the gathered bucket."""
+    the gathered bucket; ``split``: for a tensor-parallel shard, an object whose
+    ``full(shard)`` gathers the whole matrix over the tensor group (a collective) and
+    ``shard(full)`` cuts this rank's piece again
+    (:class:`~shardspeed.parallel.tensor.full_matrix.TensorSplit`)."""
 
     local: int
     length: int
     start: int
     shape: tuple[int, ...]
     bucket_offset: int
+    split: Any = None  # tensor parallel: rebuilds the full matrix (TensorSplit), else None
 
 
 class Muon(Optimizer):
@@ -165,26 +181,36 @@ class Muon(Optimizer):
         self._layout: dict[int, list[list[MatrixFragment]]] = {}  # group -> per master
         self._gather_groups: dict[int, Any] = {}  # group -> ranks sharing its buckets
         self._comm_device: torch.device | None = None
+        # sharded groups, per master: the owner exchange and the bucket's matrices
+        self._plans: dict[int, list[tuple[ExchangePlan, list[BucketMatrix]]]] = {}
 
     def set_matrix_layout(
         self,
-        layout: Sequence[Sequence[Sequence[tuple[int, int, int, Sequence[int], int]]]],
+        layout: Sequence[Sequence[Sequence[tuple[Any, ...]]]],
         gather_groups: Sequence[Any],
         comm_device: torch.device | None = None,
     ) -> None:
         """Flat masters: ``layout[g][i]`` lists ``(local, length, start, shape,
-        bucket_offset)`` of every parameter fragment in master ``i`` of group ``g``
+        bucket_offset[, split])`` of every parameter fragment in master ``i`` of group ``g``
         (:class:`MatrixFragment`); ``gather_groups[g]``: the process group whose ranks
         hold the rest of group ``g``'s buckets (None when masters are whole buckets).
         ``comm_device``: where to gather and orthogonalise (the accelerator when the
         masters are offloaded to the host)."""
         self._layout = {
-            g: [[MatrixFragment(o, n, s, tuple(shape), b) for o, n, s, shape, b in m] for m in per]
+            g: [
+                [MatrixFragment(o, n, s, tuple(shape), b, *x) for o, n, s, shape, b, *x in m]
+                for m in per
+            ]
             for g, per in enumerate(layout)
             if self.param_groups[g]["use_muon"]
         }
         self._gather_groups = dict(enumerate(gather_groups))
         self._comm_device = comm_device
+        self._plans = {
+            g: self._owner_plans(g, per, self._gather_groups[g])
+            for g, per in self._layout.items()
+            if self._gather_groups.get(g) is not None
+        }
         if not any(g["use_muon"] for g in self.param_groups):
             warning_once(
                 "Muon: no param group has use_muon=True, so every parameter trains with AdamW "
@@ -209,7 +235,7 @@ class Muon(Optimizer):
                     continue
                 update = self._momentum_update(group, p, grad)
                 if gi in self._layout:
-                    update = self._orthogonalise_flat(gi, self._layout[gi][i], update)
+                    update = self._orthogonalise_flat(gi, i, update)
                 elif p.dim() >= 2:
                     method = group["ns_method"]
                     dtype = self._dtype(p, method)
@@ -234,34 +260,85 @@ class Muon(Optimizer):
         momentum.lerp_(grad, 1.0 - beta)
         return grad.lerp(momentum, beta) if self.nesterov else momentum.clone()
 
-    def _orthogonalise_flat(
-        self, gi: int, fragments: list[MatrixFragment], update: Tensor
-    ) -> Tensor:
-        """Whole-matrix Newton-Schulz for the fragments of one flat master (see module doc)."""
-        group = self._gather_groups.get(gi)
+    def _owner_plans(
+        self, gi: int, per_master: list[list[MatrixFragment]], group: Any
+    ) -> list[tuple[ExchangePlan, list[BucketMatrix]]]:
+        """Every bucket's matrices (from every rank's fragments: one collective, once) and
+        this rank's owner exchange for each (:mod:`shardspeed.ops.muon_owners`)."""
+        from shardspeed import comm
+
+        world, rank = comm.get_world_size(group), comm.get_rank(group)
+        mine = [
+            sorted({(f.bucket_offset, _numel(f.shape), f.shape) for f in m}) for m in per_master
+        ]
+        every: list[Any] = [None] * world
+        comm.all_gather_object(every, mine, group=group)
+        loads = [0] * world
+        plans = []
+        for i, master in enumerate(self.param_groups[gi]["params"]):
+            known = sorted({item for theirs in every for item in theirs[i]})
+            for _, _, shape in known:  # refused on every rank (not only the owner)
+                if len(shape) < 2:
+                    raise ValueError(
+                        f"Muon: a {len(shape)}-D parameter of shape {shape} is in a use_muon "
+                        "group. Fix: set use_muon=False for tensors with fewer than 2 "
+                        "dimensions."
+                    )
+            matrices = [BucketMatrix(offset, numel) for offset, numel, _ in known]
+            owners = assign_owners(matrices, master.numel(), world, loads)
+            plans.append((plan_exchange(matrices, owners, master.numel(), world, rank), matrices))
+        return plans
+
+    def tensor_gather_order(self) -> list[tuple[int, int, int]]:
+        """``(group, master, bucket offset)`` of each tensor-parallel matrix this rank
+        gathers over the tensor axis per step, in step order (the engine checks that the
+        tensor ranks agree: each gather is a collective)."""
+        order = []
+        for gi, per in self._layout.items():
+            for i, fragments in enumerate(per):
+                if gi in self._plans:
+                    plan, matrices = self._plans[gi][i]
+                    offsets = [matrices[j].offset for j, _, _ in plan.owned]
+                else:
+                    offsets = [f.bucket_offset for f in fragments]
+                split = {f.bucket_offset for f in fragments if f.split is not None}
+                order += [(gi, i, b) for b in offsets if b in split]
+        return order
+
+    def _orthogonalise_flat(self, gi: int, i: int, update: Tensor) -> Tensor:
+        """Whole-matrix Newton-Schulz for the matrices of master ``i`` of group ``gi``:
+        this rank's slice of each orthogonalised matrix, zeros elsewhere (module doc)."""
+        fragments = self._layout[gi][i]
         device = self._comm_device or update.device
         shard = update.to(device)
-        if group is None:
-            bucket = shard  # (bucket numel,): the whole bucket
-        else:
-            import torch.distributed as dist
-
-            world = dist.get_world_size(group)
-            bucket = shard.new_empty(world * shard.numel())  # (world * shard numel,)
-            dist.all_gather_into_tensor(bucket, shard, group=group)
-        out = torch.zeros_like(update)
         method = self.param_groups[gi]["ns_method"]
         dtype = self._dtype(shard, method)
-        for f in fragments:
-            numel = _numel(f.shape)
-            matrix = bucket.narrow(0, f.bucket_offset, numel).view(f.shape)
+        by_offset = {f.bucket_offset: f for f in fragments}
+
+        def whole(f: MatrixFragment, matrix: Tensor) -> Tensor:
             if len(f.shape) < 2:
                 raise ValueError(
                     f"Muon: a {len(f.shape)}-D parameter of shape {f.shape} is in a use_muon "
                     "group. Fix: set use_muon=False for tensors with fewer than 2 dimensions."
                 )
+            if f.split is not None:  # a tensor-parallel shard: the whole matrix, then ours
+                matrix = f.split.full(matrix)
             ortho = orthogonalise(matrix, steps=self.ns_steps, method=method, dtype=dtype)
-            piece = ortho.reshape(-1).narrow(0, f.start, f.length)
+            return f.split.shard(ortho) if f.split is not None else ortho
+
+        if gi in self._plans:  # sharded: each matrix on its owner, two all-to-alls
+            plan, matrices = self._plans[gi][i]
+
+            def owned(j: int, flat: Tensor) -> Tensor:
+                f = by_offset[matrices[j].offset]  # the owner holds a piece of it
+                return whole(f, flat.view(f.shape)).reshape(-1)
+
+            group = self._gather_groups[gi]
+            return exchange(plan, shard, group, owned).to(update.device)
+        out = torch.zeros_like(update)  # whole buckets (ZeRO 0): every matrix here
+        for f in fragments:
+            matrix = shard.narrow(0, f.bucket_offset, _numel(f.shape)).view(f.shape)
+            piece = whole(f, matrix).reshape(-1).narrow(0, f.start, f.length)
             out.narrow(0, f.local, f.length).copy_(piece)
         return out
 

@@ -11,7 +11,8 @@ Some optimizers need more than that, and say so by what they define:
   its other elements live when the masters are sharded);
 * ``set_matrix_layout()`` (Muon): it orthogonalises whole matrices, so the engine tells
   it where each parameter's fragment sits and its shape, and which ranks hold the rest of
-  each bucket (it gathers them); stages 0-2 only;
+  each bucket (it gathers them), and for a tensor-parallel shard how to rebuild its full
+  matrix over the tensor axis; every stage, NVMe optimizer offload refused;
 * none of these and not elementwise (:func:`shardspeed.optim.is_elementwise`): refused, since
   an update of a flat 1/N shard would differ from the update of whole tensors.
 
@@ -95,13 +96,6 @@ class OptimizerCaps:
                 "parallel shards would need summed over the tensor axis (not implemented). "
                 "Fix: use an elementwise optimizer (Adam, AdamW, SGD, Lion) with tensor_parallel."
             )
-        if self.whole_matrices and (stage >= 3 or tensor_parallel):
-            raise ValueError(
-                f"optimizer {self.name} orthogonalises whole matrices; Muon at ZeRO-3 or with "
-                f"tensor parallelism is not yet supported in ShardSpeed (got zero_optimization."
-                f"stage={stage}, tensor parallel={tensor_parallel}). Fix: use "
-                "zero_optimization.stage 0, 1 or 2 without tensor_parallel, or AdamW."
-            )
         if not self.supported:
             raise ValueError(
                 f"optimizer {self.name} is not elementwise (e.g. per-parameter "
@@ -137,8 +131,15 @@ class OptimizerCaps:
                     "the NVMe optimizer swapper does not hold. Fix: use zero_optimization."
                     'offload_optimizer.device "cpu" or "none" with Muon.'
                 )
-            layout, gather_groups = matrix_layout(sharding.groups, shard_axes, sharded_group_mask)
+            tp_group = topology.group("tensor") if topology.size("tensor") > 1 else None
+            layout, gather_groups = matrix_layout(
+                sharding.groups, shard_axes, sharded_group_mask, tp_group
+            )
             optimizer.set_matrix_layout(layout, gather_groups, sharding.ctx.device)
+            if tp_group is not None:  # each tensor-parallel matrix gather is a collective
+                from shardspeed.parallel.tensor.full_matrix import check_same_order
+
+                check_same_order(optimizer.tensor_gather_order(), tp_group, self.name)
 
 
 def param_segments(
@@ -172,13 +173,21 @@ def param_segments(
 
 
 def matrix_layout(
-    flat_groups: Sequence[Any], shard_axes: Sequence[ShardAxis], sharded_group_mask: Sequence[bool]
-) -> tuple[list[list[list[tuple[int, int, int, list[int], int]]]], list[Any]]:
+    flat_groups: Sequence[Any],
+    shard_axes: Sequence[ShardAxis],
+    sharded_group_mask: Sequence[bool],
+    tensor_group: Any = None,
+) -> tuple[list[list[list[tuple[Any, ...]]]], list[Any]]:
     """Per optimizer param group, per master: ``(local, length, start, shape,
-    bucket_offset)`` of each parameter fragment (``bucket_offset``: where the parameter
-    starts in its whole bucket, this rank's shard being slice ``axis.rank`` of it), and
-    the process group holding the bucket's other slices (None when not sharded)."""
-    layout: list[list[list[tuple[int, int, int, list[int], int]]]] = []
+    bucket_offset, split)`` of each parameter fragment (``bucket_offset``: where the
+    parameter starts in its whole bucket, this rank's shard being slice ``axis.rank`` of
+    it; ``split``: a tensor-parallel parameter's
+    :class:`~shardspeed.parallel.tensor.full_matrix.TensorSplit` over ``tensor_group``,
+    else None), and the process group holding the bucket's other slices (None when not
+    sharded)."""
+    from shardspeed.parallel.tensor.full_matrix import tensor_split_of
+
+    layout: list[list[list[tuple[Any, ...]]]] = []
     gather: list[Any] = []
     sharded_groups = iter(zip(flat_groups, shard_axes))
     for has_shard in sharded_group_mask:
@@ -190,10 +199,13 @@ def matrix_layout(
         shard_rank, shard_world = 0, 1  # this rank's slice of every bucket of the group
         for bucket_layout, rank, *_ in group.layouts():
             shard_rank, shard_world = rank, bucket_layout.shard_world_size
-        per_master: list[list[tuple[int, int, int, list[int], int]]] = [[] for _ in group.masters]
+        per_master: list[list[tuple[Any, ...]]] = [[] for _ in group.masters]
         for f in param_fragments(group):
             offset = shard_rank * group.masters[f.master_index].numel() + f.local - f.start
-            per_master[f.master_index].append((f.local, f.length, f.start, list(f.shape), offset))
+            split = tensor_split_of(f.param, tensor_group) if tensor_group is not None else None
+            per_master[f.master_index].append(
+                (f.local, f.length, f.start, list(f.shape), offset, split)
+            )
         layout.append(per_master)
         gather.append(axis.group if shard_world > 1 else None)
     return layout, gather

@@ -1,6 +1,7 @@
 """Muon in one process: Newton-Schulz against the singular-value polynomial, the optimizer
 against a plain-torch reference written here, flat masters equal whole tensors, the
-Muon/AdamW split rule, the factory, and the refusals (ZeRO-3, tensor parallel, bad keys)."""
+Muon/AdamW split rule (zero.Init parameters by their full shape), the factory, and the
+refusals (NVMe optimizer offload, bad keys)."""
 
 from __future__ import annotations
 
@@ -190,12 +191,40 @@ def test_one_dim_tensor_in_muon_group_without_layout_is_refused() -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("stage, tp", [(3, False), (2, True)])
-def test_zero3_and_tensor_parallel_refused(stage: int, tp: bool) -> None:
+@pytest.mark.parametrize("stage, tp", [(0, False), (2, False), (3, False), (1, True), (3, True)])
+def test_every_stage_and_tensor_parallel_accepted(stage: int, tp: bool) -> None:
+    """ZeRO 0-3 and tensor parallelism are checked by parity in tests/dist/test_muon_*.py."""
     from shardspeed.runtime.optimizer_caps import OptimizerCaps
 
     caps = OptimizerCaps.of(Muon([torch.zeros(4, 4)]), None)
     assert caps.whole_matrices and caps.supported
-    with pytest.raises(ValueError, match="Muon at ZeRO-3 or with tensor parallelism is not yet"):
-        caps.check(stage, sharded=True, tensor_parallel=tp)
-    caps.check(2, sharded=True, tensor_parallel=False)
+    caps.check(stage, sharded=stage > 0, tensor_parallel=tp)
+
+
+def test_nvme_optimizer_offload_refused_by_name() -> None:
+    from types import SimpleNamespace
+
+    from shardspeed.runtime.optimizer_caps import OptimizerCaps
+
+    opt = Muon([torch.zeros(4, 4)])
+    ctx = SimpleNamespace(stage=3, offload=SimpleNamespace(optimizer_swapper=object()))
+    sharding = SimpleNamespace(ctx=ctx, shards_optimizer_state=True)
+    topology = SimpleNamespace(size=lambda axis: 1)
+    with pytest.raises(ValueError, match='offload_optimizer.device "cpu" or "none" with Muon'):
+        OptimizerCaps.of(opt, None).connect(
+            opt, sharding=sharding, topology=topology, dp_group=None, shard_axes=[],
+            sharded_group_mask=[],
+        )  # fmt: skip
+
+
+def test_zero_init_partitioned_matrix_gets_muon() -> None:
+    """A zero.Init parameter is an empty local tensor with its shape in ``ds_shape``: the
+    split goes by that shape (an empty 1-D tensor would otherwise fall to AdamW)."""
+    model = nn.Sequential(nn.Linear(8, 8, bias=True))
+    weight, bias = model[0].weight, model[0].bias
+    for p in (weight, bias):
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    muon, adam = split_muon_groups(model, [{"params": [weight, bias]}])
+    assert muon["use_muon"] and muon["params"] == [weight]
+    assert not adam["use_muon"] and adam["params"] == [bias]
