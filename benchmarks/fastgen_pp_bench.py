@@ -8,6 +8,11 @@ One random Llama (GQA) is saved once and served four ways on the same 2 cores:
 * ``pp=2 inflight``: ``pipeline(pipeline_parallel=2)``, 2 micro-batches in flight;
 * ``pp=2 naive``: the same with ``pipeline_schedule="naive"`` (one micro-batch at a time).
 
+Other layouts by name in ``--configs``: ``tp=T``, ``pp=P inflight|naive`` and
+``pp=P tp=T inflight|naive`` (``P`` stages of ``T`` tensor ranks), e.g. the 4-rank
+comparison ``--configs "1 proc 1 thread,pp=2 tp=2 inflight,pp=4 inflight,tp=4"``
+(4 ranks on 2 cores: each core runs two ranks).
+
 Rows: offline throughput (``--requests`` prompts of varied lengths, greedy, every
 request's generated tokens / wall time of ``generate``), batch-1 latency (one prompt,
 ms per generated token after the first), and for the pp rows the measured idle fraction
@@ -77,12 +82,18 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[Any]]:
 
 
 def engine_options(name: str) -> dict[str, Any]:
-    base = dict(device="cpu", block_size=16, num_blocks=2048, max_ragged_batch_size=512)
-    if name == "tp=2":
-        return {**base, "tensor_parallel": 2}
-    if name.startswith("pp=2"):
-        return {**base, "pipeline_parallel": 2, "pipeline_schedule": name.split()[1]}
-    return base
+    """Engine options of a config name: ``tp=T``, ``pp=P`` and ``inflight``/``naive`` words."""
+    options: dict[str, Any] = dict(
+        device="cpu", block_size=16, num_blocks=2048, max_ragged_batch_size=512
+    )
+    for word in name.split():
+        if word.startswith("tp="):
+            options["tensor_parallel"] = int(word[3:])
+        elif word.startswith("pp="):
+            options["pipeline_parallel"] = int(word[3:])
+        elif word in ("inflight", "naive"):
+            options["pipeline_schedule"] = word
+    return options
 
 
 def idle_fractions(engine: Any, args: argparse.Namespace) -> list[float]:
@@ -138,9 +149,10 @@ def run_config(name: str, path: Path, args: argparse.Namespace) -> dict[str, Any
             "batch1_ttft_ms": round(first * 1e3, 1),
             "tokens": tokens,
         }
-        if name.startswith("pp=2"):
+        if name.startswith("pp="):
+            stages = engine.stages.num_stages
             row["stage_idle"] = idle_fractions(engine, args)
-            row["ideal_idle"] = 0.0 if engine.depth == 2 else 0.5
+            row["ideal_idle"] = 0.0 if engine.depth == stages else round(1 - 1 / stages, 3)
         return row
     finally:
         pipe.shutdown()

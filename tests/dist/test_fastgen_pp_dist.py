@@ -173,6 +173,15 @@ def test_qwen2_one_kv_head_pp2_is_token_identical() -> None:
 def test_llama_pp4_is_token_identical_and_a_dead_middle_stage_stops_the_others() -> None:
     pipe = _assert_pp_matches_one_process(_hf_model("LlamaConfig"), _prompts(9), pp=4)
     engine = pipe.engine
+    long = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ids = [engine.add_request(p, long) for p in _prompts(3)[:4]]
+    engine.step()
+    assert engine._in_flight  # timers read while the last stage's results are in flight
+    assert len(engine.stage_times(reset=True)) == 4
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
     pids = engine.stages.worker_pids
     assert len(pids) == 3
     os.kill(pids[1], signal.SIGKILL)  # stage 2 of 4

@@ -111,7 +111,7 @@ def test_plan_counts_the_tied_head_on_the_last_stage() -> None:
     ("options", "match"),
     [
         (dict(pipeline_parallel=5), "pipeline_parallel=5 stages but this llama model has 4"),
-        (dict(pipeline_parallel=2, tensor_parallel=2), "tensor_parallel=2 with pipeline_par"),
+        (dict(pipeline_parallel=2, tensor_parallel=3), "tensor_parallel=3 cannot split"),
         (dict(pipeline_parallel=2, offload={"device": "cpu"}), "offload='cpu' with pipeline_par"),
         (dict(pipeline_parallel=2, compile_decode=True), "compile_decode=True with pipeline"),
         (dict(pipeline_parallel=2, scheduler="static"), "scheduler='static' with pipeline"),

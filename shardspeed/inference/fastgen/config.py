@@ -63,8 +63,9 @@ class EngineConfig:
             ``"all_to_all"`` (dispatch / combine, DeepSpeed-MoE's) or ``"all_gather"``
             (one collective per layer: fewer round trips, more bytes).
         pipeline_parallel: pipeline stages; > 1 splits the layers over that many ranks
-            (the caller's process is stage 0), token-identical to 1 (see
-            :mod:`~shardspeed.inference.fastgen.pipeline_parallel`).
+            (the caller's process is stage 0), token-identical to 1; with
+            ``tensor_parallel=T`` each stage is ``T`` tensor-parallel ranks (``P x T`` in
+            all; see :mod:`~shardspeed.inference.fastgen.pipeline_parallel`).
         pipeline_schedule: with ``pipeline_parallel > 1``: ``"inflight"`` keeps P
             micro-batches in flight (no stage waits in steady decoding); ``"naive"``
             runs one at a time (for comparison).

@@ -594,7 +594,10 @@ class InferenceEngine:
 
     def __repr__(self) -> str:
         s = self.stats()
-        tp = f", tensor_parallel={self.peers.world_size}" if self.peers is not None else ""
+        tp = ""
+        if self.peers is not None:  # expert-parallel peers are tensor-parallel peers' subclass
+            kind = "expert_parallel" if self.config.expert_parallel > 1 else "tensor_parallel"
+            tp = f", {kind}={self.peers.world_size}"
         return (
             f"InferenceEngine({self.model.model_type}, device={self.device}{tp}, "
             f"blocks={s.kv_blocks_used}/{s.kv_blocks_total}, scheduler={self.config.scheduler})"

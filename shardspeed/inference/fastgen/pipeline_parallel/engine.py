@@ -40,7 +40,7 @@ from shardspeed.inference.fastgen.block_pool import BlockPool
 from shardspeed.inference.fastgen.config import PIPELINE_SCHEDULES, EngineConfig
 from shardspeed.inference.fastgen.engine import InferenceEngine
 from shardspeed.inference.fastgen.kv_cache import KVCacheSpec, resolve_num_blocks
-from shardspeed.inference.fastgen.loader import checkpoint_source, parse_dtype
+from shardspeed.inference.fastgen.loader import check_shardable, checkpoint_source, parse_dtype
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
 from shardspeed.inference.fastgen.outputs import RequestOutput
 from shardspeed.inference.fastgen.pipeline_parallel import messages as msg
@@ -64,10 +64,12 @@ logger = get_logger(__name__)
 
 def check_pipeline_config(config: EngineConfig) -> None:
     """``ValueError`` for engine options that do not combine with ``pipeline_parallel > 1``."""
-    pp = config.pipeline_parallel
+    pp, tp = config.pipeline_parallel, config.tensor_parallel
     refusals = [
-        (config.tensor_parallel > 1, f"tensor_parallel={config.tensor_parallel}",
-         "pipeline x tensor parallel is not built yet; use one of the two"),
+        (tp > 1 and config.quantization is not None,
+         f"quantization=int{getattr(config.quantization, 'bits', '?')} with tensor_parallel={tp}",
+         "each stage's tensor ranks would quantize their slices, not the whole row-parallel "
+         "weights tensor_parallel alone quantizes; drop quantization or one of the two"),
         (config.offload is not None, f"offload={getattr(config.offload, 'device', config.offload)!r}",
          "ZeRO-Inference offload streams one process's layers; use pipeline_parallel=1 or no offload"),
         (config.compile_decode not in (None, False), f"compile_decode={config.compile_decode!r}",
@@ -113,7 +115,9 @@ class PipelineInferenceEngine(InferenceEngine):
     """Continuous batching over ``pipeline_parallel`` stages (this process is stage 0).
 
     Built by ``InferenceEngine.from_pretrained(..., pipeline_parallel=P)`` or
-    ``pipeline(model, pipeline_parallel=P)``; the public surface is the engine's.
+    ``pipeline(model, pipeline_parallel=P)``; the public surface is the engine's. With
+    ``tensor_parallel=T`` too, each stage is ``T`` ranks slicing its layers as
+    ``tensor_parallel`` alone does (``P x T`` ranks; this process is stage 0's tensor rank 0).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, config: EngineConfig | None = None):
@@ -123,12 +127,16 @@ class PipelineInferenceEngine(InferenceEngine):
         cfg = self.config
         check_pipeline_config(cfg)
         self.device = cfg.resolved_device()
-        self.peers = None  # no tensor-parallel workers
+        self.peers = None  # the stages' tensor ranks (if any) are self.stages' workers
         self.weight_offload = None
         layouts = plan_stages(model, cfg.pipeline_parallel)  # refusals before any spawn
+        if cfg.tensor_parallel > 1:  # heads / MLP rows divisible, family supported
+            check_shardable(model, cfg.tensor_parallel)
         source = checkpoint_source(model)
         dtype = parse_dtype(cfg.dtype)
-        self.stages = PipelineStages.spawn(source, layouts, dtype, self.device, cfg.quantization)
+        self.stages = PipelineStages.spawn(
+            source, layouts, dtype, self.device, cfg.quantization, cfg.tensor_parallel
+        )
         try:
             self._build(source, layouts, tokenizer)
         except BaseException:
@@ -137,7 +145,9 @@ class PipelineInferenceEngine(InferenceEngine):
 
     def _build(self, source: Any, layouts: list[Any], tokenizer: Any) -> None:
         cfg = self.config
-        self.stage = build_stage_model(source, layouts[0], cfg.dtype, self.device, cfg.quantization)
+        self.stage = build_stage_model(
+            source, layouts[0], cfg.dtype, self.device, cfg.quantization, self.stages.shard
+        )
         self.model = m = self.stage.model  # stage 0's part; shapes and limits are the model's
         self.model_config = {"model_type": m.model_type}
         self.tokenizer = tokenizer
@@ -318,7 +328,8 @@ class PipelineInferenceEngine(InferenceEngine):
         return [own, *workers]
 
     def stage_weight_bytes(self) -> list[tuple[int, int]]:
-        """``(decoder-layer bytes, all weight bytes)`` each stage holds (stage 0 first)."""
+        """``(decoder-layer bytes, all weight bytes)`` each rank holds, in rank order
+        (``stage * tensor_parallel + tensor rank``; one per stage without tensor parallelism)."""
         own = (self.stage.layer_bytes(), self.stage.total_bytes())
         return [own, *((i.layer_bytes, i.total_bytes) for i in self.stages.infos)]
 
@@ -342,8 +353,10 @@ class PipelineInferenceEngine(InferenceEngine):
 
     def __repr__(self) -> str:
         s = self.stats()
+        tp = f", tensor_parallel={self.stages.tp_size}" if self.stages.tp_size > 1 else ""
         return (
             f"PipelineInferenceEngine({self.model.model_type}, device={self.device}, "
-            f"pipeline_parallel={self.stages.num_stages}, schedule={self.config.pipeline_schedule}, "
+            f"pipeline_parallel={self.stages.num_stages}{tp}, "
+            f"schedule={self.config.pipeline_schedule}, "
             f"blocks={s.kv_blocks_used}/{s.kv_blocks_total})"
         )

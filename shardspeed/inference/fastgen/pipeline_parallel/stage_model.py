@@ -39,6 +39,7 @@ from shardspeed.inference.fastgen.models.decoder import DecoderModel
 from shardspeed.inference.fastgen.models.gpt2 import GPTModel
 from shardspeed.inference.fastgen.models.layers import softcap
 from shardspeed.inference.fastgen.models.rope import forward_seq_lens
+from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard
 from shardspeed.inference.fastgen.pipeline_parallel.partition import (
     StageLayout,
     balance_layers,
@@ -143,8 +144,10 @@ def adapter_for(cls: type, pipeline_parallel: int) -> StageAdapter:
     )
 
 
-def _meta_model(cls: type, config: dict[str, Any]) -> RaggedModel:
+def _meta_model(cls: type, config: dict[str, Any], shard: TensorShard = NO_SHARD) -> RaggedModel:
     with torch.device("meta"), _skip_param_init():
+        if shard.sharded:  # one tensor rank's slices (``map_weight`` slices the checkpoint)
+            return cls.from_config(config, shard)
         return cls.from_config(config)
 
 
@@ -193,16 +196,21 @@ class StageModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: RaggedBatch, kv_cache: KVCache, hidden: torch.Tensor | None
+        self,
+        batch: RaggedBatch,
+        kv_cache: KVCache,
+        hidden: torch.Tensor | None,
+        head: bool = True,
     ) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` from the previous stage (None on the first) ->
         ``[N, hidden]`` for the next stage, or on the last stage ``[M, vocab]`` fp32
-        logits of ``batch.logits_indices``."""
+        logits of ``batch.logits_indices`` (``[N, hidden]`` with ``head=False``: the last
+        stage's tensor ranks other than 0, whose logits nobody reads)."""
         m, a = self.model, self.adapter
         x = a.embed(m, batch) if self.layout.is_first else hidden
         assert x is not None, "a stage after the first needs the previous stage's hidden states"
         x = a.run_layers(m, x, batch, kv_cache)
-        if not self.layout.is_last:
+        if not (self.layout.is_last and head):
             return x
         return a.logits(m, x[batch.logits_indices]).float()
 
@@ -290,9 +298,12 @@ def build_stage_model(
     dtype: torch.dtype | str | None,
     device: torch.device,
     quantization: Any = None,
+    shard: TensorShard = NO_SHARD,
 ) -> StageModel:
     """Stage ``layout``'s part of ``model_or_path`` on ``device``, loaded (and quantized
-    as the one-process engine quantizes the same layers)."""
+    as the one-process engine quantizes the same layers). With a sharded ``shard`` (pipeline
+    x tensor parallel) it is that tensor rank's slices of the stage's layers, as
+    ``tensor_parallel`` alone slices them (:mod:`~.models.tp_shard`)."""
     config, weights, source_dtype = describe_source(model_or_path)
     dtype = parse_dtype(dtype)
     if dtype is None:
@@ -301,8 +312,8 @@ def build_stage_model(
             dtype = torch.float32
     cls = get_model_class(config.get("model_type"))
     adapter = adapter_for(cls, layout.num_stages)
-    full = _meta_model(cls, config)  # maps checkpoint names; holds no memory
-    model = _meta_model(cls, config)
+    full = _meta_model(cls, config, shard)  # maps (and slices) checkpoint tensors; no memory
+    model = _meta_model(cls, config, shard)
     _prune(model, adapter, layout)
     _materialize(model, dtype, device)
     if layout.is_last:
@@ -311,8 +322,10 @@ def build_stage_model(
     _quantize(model, quantization, device)
     stage = StageModel(model.eval(), adapter, layout, dtype)
     logger.info(
-        "pipeline stage %d/%d: %s layers [%d, %d)%s%s, %.1f MiB of weights on %s as %s",
-        layout.stage, layout.num_stages, cls.__name__, layout.first_layer, layout.end_layer,
+        "pipeline stage %d/%d%s: %s layers [%d, %d)%s%s, %.1f MiB of weights on %s as %s",
+        layout.stage, layout.num_stages,
+        f" tensor rank {shard.rank}/{shard.world_size}" if shard.sharded else "",
+        cls.__name__, layout.first_layer, layout.end_layer,
         " + embeddings" if layout.is_first else "", " + norm/lm_head" if layout.is_last else "",
         stage.total_bytes() / 2**20, device, str(dtype).replace("torch.", ""),
     )  # fmt: skip

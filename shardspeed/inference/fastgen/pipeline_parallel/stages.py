@@ -9,6 +9,10 @@ stage 0 and sends the hidden states to stage 1 with a point-to-point send; the l
 stage answers over its pipe. Nothing here waits for a micro-batch except
 :meth:`PipelineStages.collect`, so rank 0 can launch the next one while the others run.
 
+With ``tensor_parallel=T`` each stage is ``T`` ranks (:mod:`.grid`): rank 0 also holds
+stage 0's tensor rank 0 and its all-reduce; every other rank is a worker, and the last
+stage's tensor rank 0 answers for its stage.
+
 Lifetime and failures as FastGen tensor parallelism (:mod:`..tensor_parallel.peers`):
 daemon workers that also exit on pipe EOF; a dead or failing worker makes rank 0
 raise :class:`PipelineParallelError` naming it, after every worker is stopped.
@@ -16,6 +20,7 @@ raise :class:`PipelineParallelError` naming it, after every worker is stopped.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections import deque
@@ -30,13 +35,18 @@ import torch.multiprocessing as mp
 from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec
 from shardspeed.inference.fastgen.pipeline_parallel import messages as msg
 from shardspeed.inference.fastgen.pipeline_parallel.errors import PipelineParallelError
+from shardspeed.inference.fastgen.pipeline_parallel.grid import (
+    grid_ranks,
+    join_groups,
+    tensor_shard,
+)
 from shardspeed.inference.fastgen.pipeline_parallel.partition import StageLayout
 from shardspeed.inference.fastgen.pipeline_parallel.worker import (
     StageWorkerArgs,
     stage_worker_main,
 )
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
-from shardspeed.inference.fastgen.tensor_parallel.group import new_process_group, open_store
+from shardspeed.inference.fastgen.tensor_parallel.group import GroupHandle, open_store
 from shardspeed.inference.fastgen.tensor_parallel.peers import worker_devices
 from shardspeed.inference.fastgen.worker_entry import stop_workers
 from shardspeed.utils.logging import get_logger
@@ -51,13 +61,25 @@ Result = tuple[list[int], torch.Tensor]  # (argmax tokens, logits rows [R, V] fp
 
 
 class PipelineStages:
-    """The stage workers of one engine and the group they share with rank 0 (stage 0)."""
+    """The stage workers of one engine and the groups they share with rank 0 (stage 0).
 
-    def __init__(self, layouts: list[StageLayout], device: torch.device) -> None:
+    ``shard`` is rank 0's :class:`~.models.tp_shard.TensorShard` (stage 0's tensor rank 0;
+    unsharded without tensor parallelism); its all-reduce works once :meth:`connect` returned.
+    """
+
+    def __init__(self, layouts: list[StageLayout], device: torch.device, tp_size: int = 1) -> None:
         self.layouts = layouts
         self.num_stages = len(layouts)
+        self.tp_size = tp_size
         self.device = device
-        self.infos: list[msg.StageInfo] = []  # workers' reports (stages 1..P-1)
+        everyone = grid_ranks(self.num_stages, tp_size)
+        self.me = everyone[0]
+        self.ranks = everyone[1:]  # the workers', in the order of _procs / _conns
+        self._names = [r.name for r in self.ranks]
+        self._last = next(i for i, r in enumerate(self.ranks) if r.reports_results)
+        self._handle = GroupHandle()  # stage 0's tensor group
+        self.shard = tensor_shard(self.me, self._handle)
+        self.infos: list[msg.StageInfo] = []  # workers' reports, in rank order
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._group: Any = None
@@ -75,23 +97,28 @@ class PipelineStages:
         dtype: torch.dtype | None,
         device: torch.device,
         quantization: Any = None,
+        tp_size: int = 1,
     ) -> PipelineStages:
-        """Start stages 1..P-1 loading their layers of ``source`` (path or CheckpointSource)."""
-        devices = worker_devices(device, len(layouts))
-        stages = cls(layouts, device)
+        """Start every rank but this one loading its layers of ``source`` (path or
+        CheckpointSource): stages 1..P-1, and with ``tp_size > 1`` each stage's tensor ranks."""
+        devices = worker_devices(device, len(layouts) * tp_size)
+        stages = cls(layouts, device, tp_size)
         ctx = mp.get_context("spawn")
         num_threads = torch.get_num_threads()  # each rank as many as the caller
+        _warn_oversubscribed(device, len(layouts) * tp_size, num_threads)
         try:
-            for layout in layouts[1:]:
+            for where in stages.ranks:
                 ours, theirs = ctx.Pipe(duplex=True)
                 args = StageWorkerArgs(
-                    layout, source, dtype, str(devices[layout.stage]), num_threads, quantization
-                )
+                    layouts[where.stage], source, dtype, str(devices[where.rank]), num_threads,
+                    quantization, where.tp_rank, tp_size,
+                )  # fmt: skip
+                tp = f"tp{where.tp_rank}" if tp_size > 1 else ""
                 proc = ctx.Process(
                     target=stage_worker_main,
                     args=(theirs, args),
                     daemon=True,
-                    name=f"fastgen-pp{layout.stage}",
+                    name=f"fastgen-pp{where.stage}{tp}",
                 )
                 proc.start()
                 theirs.close()
@@ -101,8 +128,9 @@ class PipelineStages:
             stages.shutdown()
             raise
         logger.info(
-            "pipeline parallel: %d stages, layers %s (this process + workers %s) on %s",
-            len(layouts), [(s.first_layer, s.end_layer) for s in layouts],
+            "pipeline parallel: %d stages x %d tensor ranks, layers %s (this process + "
+            "workers %s) on %s",
+            len(layouts), tp_size, [(s.first_layer, s.end_layer) for s in layouts],
             [p.pid for p in stages._procs], [str(d) for d in devices],
         )  # fmt: skip
         return stages
@@ -125,12 +153,11 @@ class PipelineStages:
         """Wait for the workers' stages, form the group, allocate every stage's KV cache."""
         try:
             self.infos = self._wait_all(msg.LOADED)
-            self._store = open_store(self.num_stages)
-            for conn, spec in zip(self._conns, kv_specs[1:], strict=True):
-                conn.send(
-                    (msg.CONNECT, msg.ConnectInfo(self._store.port, spec, num_blocks, backend))
-                )
-            self._group = new_process_group(self._store, 0, self.num_stages, self.device)
+            self._store = open_store(self.num_stages * self.tp_size)
+            for where, conn in zip(self.ranks, self._conns, strict=True):
+                info = msg.ConnectInfo(self._store.port, kv_specs[where.stage], num_blocks, backend)
+                conn.send((msg.CONNECT, info))
+            self._group = join_groups(self._store, self.me, self._handle, self.device)
             self._wait_all(msg.READY)
         except PipelineParallelError:
             self.shutdown()
@@ -143,19 +170,19 @@ class PipelineStages:
     def _wait_all(self, expected: str) -> list[Any]:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         payloads = []
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+        for name, proc, conn in zip(self._names, self._procs, self._conns):
             while not conn.poll(0.05):
                 if not proc.is_alive() and not conn.poll(0):
-                    raise self._failure(None, f"stage rank {rank} exited (code {proc.exitcode})")
+                    raise self._failure(None, f"{name} exited (code {proc.exitcode})")
                 if time.monotonic() > deadline:
                     raise self._failure(
-                        None, f"stage rank {rank} sent no {expected!r} in {STARTUP_TIMEOUT_S} s"
+                        None, f"{name} sent no {expected!r} in {STARTUP_TIMEOUT_S} s"
                     )
             kind, payload = conn.recv()
             if kind == msg.ERROR:
-                raise self._failure(None, f"stage rank {rank} failed:\n{payload}")
+                raise self._failure(None, f"{name} failed:\n{payload}")
             if kind != expected:
-                raise self._failure(None, f"stage rank {rank} sent {kind!r}, not {expected!r}")
+                raise self._failure(None, f"{name} sent {kind!r}, not {expected!r}")
             payloads.append(payload)
         return payloads
 
@@ -183,9 +210,7 @@ class PipelineStages:
         else:
             kind, payload = self._recv_last()
             if kind != msg.RESULT:
-                raise self._fail(
-                    None, f"stage rank {self.num_stages - 1} sent {kind!r}, not a result"
-                )
+                raise self._fail(None, f"{self._names[self._last]} sent {kind!r}, not a result")
             result = _as_result(payload)
         if self._sends:  # stage 1 took this batch's hidden states long ago
             work, _ = self._sends.popleft()
@@ -193,54 +218,65 @@ class PipelineStages:
         return result
 
     def stage_times(self, reset: bool) -> list[msg.StageTimes]:
-        """Workers' timers (stages 1..P-1), optionally reset; results read past are kept."""
+        """Stages 1..P-1's timers (each stage's tensor rank 0), optionally reset; results
+        read past are kept."""
         self._send_all((msg.TIMERS, reset))
-        times = []
-        for rank, conn in enumerate(self._conns, start=1):
+        # The result sender first: it answers after the results of the micro-batches in
+        # flight, which would otherwise arrive while another worker's reply is awaited.
+        order = [self._last, *(i for i in range(len(self.ranks)) if i != self._last)]
+        replies: dict[int, msg.StageTimes] = {}
+        early: dict[int, tuple[str, Any]] = {}  # replies that came while another was awaited
+        for i in order:
             while True:
-                kind, payload = self._recv(rank, conn)
+                kind, payload = early.pop(i) if i in early else self._recv(i, early)
                 if kind == msg.TIMERS:
-                    times.append(payload)
+                    replies[i] = payload
                     break
-                if kind == msg.RESULT and rank == self.num_stages - 1:
+                if kind == msg.RESULT and i == self._last:
                     self._results.append(_as_result(payload))
                     continue
-                raise self._fail(None, f"stage rank {rank} sent {kind!r}, not its timers")
-        return times
+                raise self._fail(None, f"{self._names[i]} sent {kind!r}, not its timers")
+        return [replies[i] for i, where in enumerate(self.ranks) if where.tp_rank == 0]
 
     def _recv_last(self) -> tuple[str, Any]:
-        return self._recv(self.num_stages - 1, self._conns[-1])
+        return self._recv(self._last)
 
-    def _recv(self, rank: int, conn: Connection) -> tuple[str, Any]:
-        """The next message of ``rank``, watching every worker for death or an error."""
+    def _recv(self, index: int, early: dict[int, tuple[str, Any]] | None = None) -> tuple[str, Any]:
+        """The next message of worker ``index``, watching every worker for death or an error.
+
+        With ``early`` (while timers are collected) another worker's timers reply is kept
+        there instead of failing the engine.
+        """
         self._check_alive()
+        conn, name = self._conns[index], self._names[index]
         deadline = time.monotonic() + RESULT_TIMEOUT_S
         try:
             while not conn.poll(0.02):
-                for r, (proc, other) in enumerate(zip(self._procs, self._conns), start=1):
-                    if r != rank and other.poll(0):  # other stages only ever send errors here
+                for i, (proc, other) in enumerate(zip(self._procs, self._conns)):
+                    if i != index and other.poll(0):  # the others send errors (or timers) here
                         kind, payload = other.recv()
+                        if early is not None and kind == msg.TIMERS and i not in early:
+                            early[i] = (kind, payload)
+                            continue
                         what = payload if kind == msg.ERROR else f"an unasked {kind!r}"
-                        raise self._fail(None, f"stage rank {r} failed:\n{what}")
+                        raise self._fail(None, f"{self._names[i]} failed:\n{what}")
                     if not proc.is_alive():
-                        raise self._fail(None, f"stage rank {r} exited (code {proc.exitcode})")
+                        raise self._fail(None, f"{self._names[i]} exited (code {proc.exitcode})")
                 if time.monotonic() > deadline:
-                    raise self._fail(
-                        None, f"stage rank {rank} sent nothing in {RESULT_TIMEOUT_S} s"
-                    )
+                    raise self._fail(None, f"{name} sent nothing in {RESULT_TIMEOUT_S} s")
             kind, payload = conn.recv()
         except (OSError, EOFError) as exc:
             raise self._fail(exc) from exc
         if kind == msg.ERROR:
-            raise self._fail(None, f"stage rank {rank} failed:\n{payload}")
+            raise self._fail(None, f"{name} failed:\n{payload}")
         return kind, payload
 
     def _send_all(self, message: tuple[str, Any]) -> None:
         self._check_alive()
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+        for name, proc, conn in zip(self._names, self._procs, self._conns):
             try:
                 if not proc.is_alive():
-                    raise BrokenPipeError(f"stage rank {rank} exited (code {proc.exitcode})")
+                    raise BrokenPipeError(f"{name} exited (code {proc.exitcode})")
                 conn.send(message)
             except (OSError, ValueError) as exc:
                 raise self._fail(exc) from exc
@@ -280,18 +316,18 @@ class PipelineStages:
         """Error messages and exit codes the workers left (waits up to a short grace)."""
         reports = []
         deadline = time.monotonic() + _ERROR_GRACE_S
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
+        for name, proc, conn in zip(self._names, self._procs, self._conns):
             try:
                 while proc.is_alive() and not conn.poll(0.05) and time.monotonic() < deadline:
                     pass
                 while conn.poll(0):
                     kind, payload = conn.recv()
                     if kind == msg.ERROR:
-                        reports.append(f"stage rank {rank} failed:\n{payload}")
+                        reports.append(f"{name} failed:\n{payload}")
             except (OSError, EOFError):  # pipe closed: the worker is gone or going
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.exitcode not in (None, 0) and not any(f"rank {rank} " in r for r in reports):
-                reports.append(f"stage rank {rank} exited with code {proc.exitcode}")
+            if proc.exitcode not in (None, 0) and not any(f"{name} " in r for r in reports):
+                reports.append(f"{name} exited with code {proc.exitcode}")
         return reports
 
     # ------------------------------------------------------------------ shutdown
@@ -306,6 +342,20 @@ class PipelineStages:
         self._finalizer()
         self._sends.clear()
         self._group = None
+        self._handle.group = None
+
+
+def _warn_oversubscribed(device: torch.device, world_size: int, num_threads: int) -> None:
+    """Warn when CPU ranks would run more torch threads than the machine has cores: the
+    ranks' spinning thread pools then slow every step many times over (measured 20x at
+    2 stages x 2 tensor ranks x 2 threads on 2 cores)."""
+    cores = os.cpu_count() or 1
+    if device.type == "cpu" and num_threads > max(1, cores // world_size):
+        logger.warning(
+            "pipeline parallel on CPU: %d ranks x torch.get_num_threads()=%d threads > %d cores; "
+            "call torch.set_num_threads(%d) before building the engine (every rank copies it).",
+            world_size, num_threads, cores, max(1, cores // world_size),
+        )  # fmt: skip
 
 
 def _as_result(payload: tuple[list[int], np.ndarray]) -> Result:

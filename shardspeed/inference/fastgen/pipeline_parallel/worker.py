@@ -1,19 +1,21 @@
-"""The loop of a pipeline stage worker process (stages 1..P-1; rank 0 is stage 0).
+"""The loop of a pipeline stage worker process (every rank but rank 0, stage 0's first).
 
 ::
 
-    stage = build_stage_model(source, layout)          # only this stage's layers
+    stage = build_stage_model(source, layout, shard)   # only this stage's layers
+                                                       # (this tensor rank's slices)
     send loaded; wait for connect
-    join the group; allocate this stage's KV cache; send ready
+    join the groups (:mod:`.grid`); allocate this stage's KV cache; send ready
     loop (pipe messages, in rank 0's launch order):
-        batch      -> recv hidden [N, hidden] from stage - 1; run the layers;
-                      send to stage + 1, or (last stage) send rank 0 the result:
-                      argmax tokens of greedy rows, fp32 logits rows of the others
+        batch      -> first stage: embed; else recv hidden [N, hidden] from stage - 1;
+                      run the layers (all-reduces with the stage's other tensor ranks);
+                      send to stage + 1, or (last stage, tensor rank 0) send rank 0 the
+                      result: argmax tokens of greedy rows, fp32 logits rows of the others
         copy_block | timers | stop
 
-The worker blocks only on its pipe to rank 0 or on a receive from the previous
-stage: rank 0 exiting (pipe EOF) ends it, a dead neighbour fails its receive or
-send. On any error it sends the traceback to rank 0 and exits.
+The worker blocks only on its pipe to rank 0, on a receive from the previous stage
+or in its stage's all-reduce: rank 0 exiting (pipe EOF) ends it, a dead neighbour
+fails its receive, send or all-reduce. On any error it sends the traceback to rank 0 and exits.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import torch
 
 from shardspeed.inference.fastgen.kv_cache import KVCache
 from shardspeed.inference.fastgen.pipeline_parallel import messages as msg
+from shardspeed.inference.fastgen.pipeline_parallel.grid import GridRank, join_groups, tensor_shard
 from shardspeed.inference.fastgen.pipeline_parallel.partition import StageLayout
 from shardspeed.inference.fastgen.pipeline_parallel.stage_model import build_stage_model
 from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.sampling import finite_logits
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
-from shardspeed.inference.fastgen.tensor_parallel.group import join_store, new_process_group
+from shardspeed.inference.fastgen.tensor_parallel.group import GroupHandle, join_store
 from shardspeed.inference.fastgen.worker_entry import run_worker, worker_device
 
 # Sends to the next stage not yet known complete; the oldest is waited for beyond this.
@@ -50,6 +53,12 @@ class StageWorkerArgs:
     device: str
     num_threads: int
     quantization: Any = None
+    tp_rank: int = 0  # this worker's tensor rank in its stage
+    tp_size: int = 1  # tensor-parallel ranks per stage
+
+    @property
+    def where(self) -> GridRank:
+        return GridRank(self.layout.stage, self.tp_rank, self.layout.num_stages, self.tp_size)
 
 
 class StageTimer:
@@ -106,16 +115,18 @@ def stage_worker_main(conn: Connection, args: StageWorkerArgs) -> None:
 
 def _serve(conn: Connection, args: StageWorkerArgs) -> None:
     device = worker_device(args.num_threads, args.device)
-    layout = args.layout
-    stage = build_stage_model(args.source, layout, args.dtype, device, args.quantization)
+    layout, where = args.layout, args.where
+    handle = GroupHandle()  # the stage's tensor group, joined after load
+    shard = tensor_shard(where, handle)
+    stage = build_stage_model(args.source, layout, args.dtype, device, args.quantization, shard)
     info = msg.StageInfo(stage.layer_bytes(), stage.total_bytes(), stage.hidden_size, stage.dtype)
     conn.send((msg.LOADED, info))
     kind, connect = conn.recv()
     if kind == msg.STOP:
         return
     assert kind == msg.CONNECT, kind
-    store = join_store(connect.port, layout.num_stages)
-    group = new_process_group(store, layout.stage, layout.num_stages, device)
+    store = join_store(connect.port, layout.num_stages * where.tp_size)
+    group = join_groups(store, where, handle, device)  # the pipe of this tensor rank
     kv_cache = KVCache(connect.kv_spec, connect.num_blocks, device)
     conn.send((msg.READY, None))
     block_size = connect.kv_spec.block_size
@@ -130,17 +141,19 @@ def _serve(conn: Connection, args: StageWorkerArgs) -> None:
             chunks, modes = payload
             batch = msg.unpack_batch(chunks)
             ragged = build_ragged_batch(batch, block_size, device, connect.backend)
-            hidden = torch.empty(
-                ragged.num_tokens, stage.hidden_size, dtype=stage.dtype, device=device
-            )
-            begin = time.perf_counter()
-            group.recv([hidden], layout.stage - 1, 0).wait()  # [N, hidden]
-            waited += time.perf_counter() - begin
-            out = stage.forward(ragged, kv_cache, hidden)
-            if layout.is_last:  # out: [M, vocab] fp32 logits rows
+            hidden = None  # the first stage embeds the batch itself
+            if not layout.is_first:
+                hidden = torch.empty(
+                    ragged.num_tokens, stage.hidden_size, dtype=stage.dtype, device=device
+                )
+                begin = time.perf_counter()
+                group.recv([hidden], layout.stage - 1, 0).wait()  # [N, hidden]
+                waited += time.perf_counter() - begin
+            out = stage.forward(ragged, kv_cache, hidden, head=where.reports_results)
+            if where.reports_results:  # out: [M, vocab] fp32 logits rows
                 tokens, rows = last_stage_result(out, batch, modes)
                 conn.send((msg.RESULT, (tokens, rows.cpu().numpy())))
-            else:  # out: [N, hidden]
+            elif not layout.is_last:  # out: [N, hidden]
                 sends.append((group.send([out], layout.stage + 1, 0), out))
                 while len(sends) > MAX_PENDING_SENDS:
                     sends.popleft()[0].wait()

@@ -41,10 +41,15 @@ def new_process_group(
     world_size: int,
     device: torch.device,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    name: str = "fastgen_tp",
 ) -> Any:
-    """A gloo (CPU) or NCCL (CUDA) group of ``world_size`` ranks on ``store``; blocks until all join."""
+    """A gloo (CPU) or NCCL (CUDA) group of ``world_size`` ranks on ``store``; blocks until all join.
+
+    ``name`` keys the group's rendezvous in ``store``: several groups (pipeline x tensor
+    parallel builds one per stage and one per tensor rank) share one store by name.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore("fastgen_tp", store)
+    prefixed = dist.PrefixStore(name, store)
     if device.type == "cuda":
         nccl = getattr(dist, "ProcessGroupNCCL", None)
         if nccl is None:
