@@ -123,6 +123,31 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enable-prefix-caching", action="store_true", default=None)
     engine.add_argument("--dtype", default=None, help="e.g. float16, bfloat16, float32")
     engine.add_argument("--device", default=None, help="e.g. cpu, cuda:0")
+    engine.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        'or \'{"model": "DRAFT_DIR", "num_speculative_tokens": 4}\' (docs/serving.md)',
+    )
+    lora = p.add_argument_group("LoRA adapters (see docs/serving.md)")
+    lora.add_argument("--enable-lora", action="store_true", default=None)
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapters served from the start; requests pick one with model=NAME",
+    )
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters loaded at once")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank")
+    lora.add_argument(
+        "--allowed-lora-root",
+        default=None,
+        help="directory POST /v1/load_lora_adapter may load from (default: runtime loading off)",
+    )
     p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -140,7 +165,36 @@ _ENGINE_KEYS = (
     "enable_prefix_caching",
     "dtype",
     "device",
+    "speculative_config",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
 )
+
+
+def _speculative_config(value: str) -> dict:
+    """The JSON object of ``--speculative-config`` (its keys are checked by the engine)."""
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        msg = f"--speculative-config {value!r}: not JSON ({err})"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(
+            f'--speculative-config {value!r}: expected a JSON object like {{"method": "ngram", '
+            '"num_speculative_tokens": 4}'
+        )
+    return parsed
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """``NAME=PATH`` of ``--lora-modules``."""
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules {value!r}: expected NAME=PATH")
+    return name, path
 
 
 def main(argv: list[str]) -> int:
@@ -173,6 +227,8 @@ def main(argv: list[str]) -> int:
             body_timeout_s=args.body_timeout,
             keep_alive_timeout_s=args.keep_alive_timeout,
             max_connections=args.max_connections,
+            lora_modules=dict(args.lora_modules) or None,
+            lora_root=args.allowed_lora_root,
             **engine_config,
         )
     except (ValueError, OSError) as err:

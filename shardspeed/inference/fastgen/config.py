@@ -10,6 +10,7 @@ import torch
 from shardspeed.inference.fastgen.attention import ATTENTION_BACKENDS
 from shardspeed.inference.fastgen.offload_config import OffloadConfig
 from shardspeed.inference.fastgen.scheduler import SCHEDULER_POLICIES
+from shardspeed.inference.fastgen.speculative.config import SpeculativeConfig
 
 PIPELINE_SCHEDULES = ("inflight", "naive")  # see EngineConfig.pipeline_schedule
 
@@ -73,6 +74,15 @@ class EngineConfig:
             (e4m3, where torch has it): quantized KV with one fp16 scale per token
             and KV head, ~2x the tokens of a bf16 cache in the same memory (see
             :mod:`~shardspeed.inference.fastgen.kv_quant`); torch attention only.
+        speculative_config: speculative decoding of decode steps (None => off): a
+            dict of :class:`~shardspeed.inference.fastgen.speculative.SpeculativeConfig`
+            fields, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}`` or
+            ``{"model": draft_dir, "num_speculative_tokens": 4}`` (vLLM's keys).
+        enable_lora: serve PEFT LoRA adapters by name beside the base model, several in
+            one batch (see :mod:`~shardspeed.inference.fastgen.lora`); single process,
+            eager forward only.
+        max_loras: adapters loaded at once (with ``enable_lora``).
+        max_lora_rank: largest adapter rank accepted (with ``enable_lora``).
     """
 
     block_size: int | None = None
@@ -96,6 +106,10 @@ class EngineConfig:
     pipeline_parallel: int = 1
     pipeline_schedule: str = "inflight"
     kv_cache_dtype: str = "auto"
+    speculative_config: Any = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -153,6 +167,16 @@ class EngineConfig:
             self.quantization = WeightQuantConfig.parse(self.quantization)
         self._validate_offload()
         self._validate_kv_cache_dtype()
+        self._validate_lora()
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None:
+            self.speculative_config.check_engine(self)
+
+    def _validate_lora(self) -> None:
+        """LoRA deltas are added by hooks in the single-process eager forward."""
+        from shardspeed.inference.fastgen.lora.config_check import check_lora_config
+
+        check_lora_config(self)
 
     def _validate_kv_cache_dtype(self) -> None:
         """A quantized KV cache is read by the single-process torch attention path only."""

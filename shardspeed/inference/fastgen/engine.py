@@ -34,6 +34,7 @@ from shardspeed.inference.fastgen.kv_cache import KVCacheSpec, resolve_num_block
 from shardspeed.inference.fastgen.kv_quant import make_kv_cache
 from shardspeed.inference.fastgen.loader import build_model, resolve_tokenizer
 from shardspeed.inference.fastgen.logprobs import record_prompt_logprobs, sampled_logprobs
+from shardspeed.inference.fastgen.lora import LoRAManager, resolve_lora
 from shardspeed.inference.fastgen.model_runner import ModelRunner
 from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
@@ -42,6 +43,7 @@ from shardspeed.inference.fastgen.request import Request, sample_request_ids
 from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
+from shardspeed.inference.fastgen.speculative import build_speculator
 from shardspeed.inference.fastgen.structured import GuideFactory, apply_guides
 from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError, start_tensor_parallel
 from shardspeed.utils.logging import get_logger, warning_once
@@ -139,6 +141,9 @@ class InferenceEngine:
             self.model, self.kv_cache, self.device, backend, cfg.compile_decode,
             cfg.max_ragged_sequence_count, self.max_seq_len, self.peers,
         )  # fmt: skip
+        self.speculator = build_speculator(self)  # None unless cfg.speculative_config
+        self.lora = LoRAManager(m, cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
+        self.runner.lora = self.lora  # adapters of the batch's requests (enable_lora)
         eos = list(m.eos_token_ids)
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if tok_eos is not None and tok_eos not in eos:
@@ -235,7 +240,9 @@ class InferenceEngine:
         busy = [i for i in sample_ids if i in self._requests or i in self._unforked]
         if busy:
             raise ValueError(f"request_id={busy[0]!r} is already in use by an unfinished request.")
+        adapter = resolve_lora(getattr(self, "lora", None), params.lora_name)  # unknown: ValueError
         req = Request(sample_ids[0], token_ids, params)
+        req.lora = adapter
         if params.structured_output is not None:  # compile errors raise before queueing
             req.guide = self.guides.new_guide(params.structured_output)
         req.fork_ids = sample_ids[1:]
@@ -321,6 +328,12 @@ class InferenceEngine:
         for seq in batch.sequences:
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.metrics.first_scheduled_time = now
+        if self.speculator is not None and self.speculator.accepts(batch):  # decodes only
+            appended = self.speculator.step(batch, outputs, self._append_token, self._fail)
+            if appended is not None:  # else its forward failed: the usual path below
+                self._num_steps += 1
+                self._tokens_generated += appended
+                return outputs
         logits, batch = self._execute(batch, outputs)  # drops sequences whose forward fails
         self.scheduler.commit(batch)
         logits, sampled = self._sampling_rows(logits, batch, outputs)  # [M, V], one per request

@@ -21,6 +21,7 @@ from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 from shardspeed.utils.logging import get_logger
 
 if TYPE_CHECKING:
+    from shardspeed.inference.fastgen.lora import LoRAManager
     from shardspeed.inference.fastgen.tensor_parallel import TensorParallelPeers
 
 logger = get_logger(__name__)
@@ -79,6 +80,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         mode = resolve_compile_decode(compile_decode, model, device)
         self.compiled: CompiledDecoder | None = None
+        self.lora: LoRAManager | None = None  # set by the engine with enable_lora
         if mode is not None:
             self.compiled = CompiledDecoder(model, kv_cache, device, max_batch, max_seq_len, mode)
             logger.info("compiled decode: mode=%s, batch buckets %s", mode, self.compiled.buckets)
@@ -88,6 +90,12 @@ class ModelRunner:
         """Logits ``[M, vocab]`` (fp32) for the sequences with ``needs_logits``, in batch order."""
         if self.compiled is not None and self.compiled.accepts(batch):
             return self.compiled.run(batch).float()
+        if self.lora is not None:  # the forward adds each request's adapter delta
+            with self.lora.scope(batch):
+                return self._forward(batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         ragged = build_ragged_batch(batch, self.block_size, self.device, self.backend)
         if self.peers is not None:
             return self.peers.execute(batch, lambda: self.model(ragged, self.kv_cache)).float()

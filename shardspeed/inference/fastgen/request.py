@@ -77,6 +77,7 @@ class Request:
             self.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.cumulative_logprob = 0.0
         self.guide: Any = None  # structured output: a structured.Guide (the engine sets it)
+        self.lora: Any = None  # the lora.LoRAAdapter it generates with (None: base model)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator(device="cpu")
@@ -121,10 +122,15 @@ class Request:
         num_full = min(upto_tokens, self.num_tokens) // block_size
         while len(self.block_hashes) < num_full:
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if i else self.hash_root
+            parent = self.block_hashes[-1] if i else self.hash_root + self.lora_cache_key
             tokens = self.token_slice(i * block_size, (i + 1) * block_size)
             self.block_hashes.append(hash_block_tokens(parent, tokens))
         return self.block_hashes[:num_full]
+
+    @property
+    def lora_cache_key(self) -> bytes:
+        """Separates prefix-cache blocks of different adapters (their K/V differ)."""
+        return b"" if self.lora is None else self.lora.cache_key
 
     def new_sample(self, sample_id: str) -> Request:
         """Another sample of this request's prompt (``sample_id`` ends in ``#<index>``),
@@ -137,6 +143,7 @@ class Request:
         sample.rope_base_len = self.rope_base_len
         sample.hash_root = self.hash_root
         sample.guide = self.guide.fresh() if self.guide is not None else None
+        sample.lora = self.lora
         sample.metrics.first_scheduled_time = self.metrics.first_scheduled_time
         if self.prompt_logprobs is not None:
             sample.prompt_logprobs = list(self.prompt_logprobs)

@@ -35,6 +35,8 @@ class SamplingParams:
     at the context (``finish_reason="length"``), False rejects the request.
     ``structured_output``: a JSON schema / JSON object / regex / grammar / choice the
     output must match (token masks, see :mod:`~shardspeed.inference.fastgen.structured`).
+    ``lora_name``: the LoRA adapter to generate with, by the name it was loaded under
+    (``engine.lora.load``; needs ``enable_lora``); None generates with the base model.
     """
 
     max_new_tokens: int = 128
@@ -56,6 +58,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     truncate: bool = True
     structured_output: StructuredOutputParams | None = None
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept the common single-value spellings: stop="\n", stop_token_ids=2.
@@ -179,3 +182,8 @@ class SamplingParams:
                     "StructuredOutputParams or None."
                 )
             self.structured_output.validate()
+        if self.lora_name is not None and not (isinstance(self.lora_name, str) and self.lora_name):
+            raise ValueError(
+                f"SamplingParams.lora_name={self.lora_name!r} must be a non-empty adapter name "
+                "or None (the base model)."
+            )

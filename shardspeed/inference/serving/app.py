@@ -1,8 +1,9 @@
 """The OpenAI-compatible ASGI app (Starlette): routes, validation, errors.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
-(with an embedding model), ``GET /v1/models`` (these need the API key when one is set),
-``GET /health``, ``GET /metrics``.
+(with an embedding model), ``GET /v1/models``, ``POST /v1/load_lora_adapter`` /
+``/v1/unload_lora_adapter`` (LoRA, see :mod:`.lora_api`) (these need the API key when one
+is set), ``GET /health``, ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -34,6 +36,12 @@ from shardspeed.inference.serving.chat import render_chat_prompt
 from shardspeed.inference.serving.errors import APIError, api_error_from, from_validation_error
 from shardspeed.inference.serving.json_body import read_json_body
 from shardspeed.inference.serving.logprobs_format import chat_logprobs, completion_logprobs
+from shardspeed.inference.serving.lora_api import (
+    load_lora_adapter,
+    model_cards,
+    resolve_model,
+    unload_lora_adapter,
+)
 from shardspeed.inference.serving.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -41,7 +49,6 @@ from shardspeed.inference.serving.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ModelCard,
     ModelList,
     ResponseMessage,
     Usage,
@@ -69,6 +76,7 @@ class ServerSettings:
     default_chat_max_tokens: int = 128
     chat_template: str | None = None
     body_timeout_s: float = 30.0
+    lora_root: str | None = None  # POST /v1/load_lora_adapter loads only under it
 
 
 class _ClientGone(Exception):
@@ -100,7 +108,8 @@ class OpenAIServing:
 
     async def models(self, request: Request) -> Response:
         self._check_auth(request)
-        return JSONResponse(ModelList(data=[ModelCard(id=self.settings.model_name)]).model_dump())
+        cards = model_cards(self.settings, self.engine.engine)  # the base, then LoRA adapters
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     async def embeddings(self, request: Request) -> Response:
         from shardspeed.inference.serving.embeddings_api import EmbeddingRequest, create_embeddings
@@ -116,7 +125,7 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         self._check_auth(request)
         req = self._parse(CompletionRequest, await self._read_json(request))
-        self._check_model(req.model)
+        lora_name = resolve_model(self.settings, self.engine.engine, req.model)
         prompts = req.prompt_list()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise APIError(400, "prompt: must be a non-empty string or token list", param="prompt")
@@ -124,6 +133,7 @@ class OpenAIServing:
             req, req.max_tokens, "max_tokens", explicit="max_tokens" in req.model_fields_set
         )
         params.best_of = req.best_of
+        params.lora_name = lora_name
         if req.logprobs is not None:
             params.logprobs = req.logprobs
             params.prompt_logprobs = req.logprobs if req.echo else None
@@ -134,12 +144,13 @@ class OpenAIServing:
     async def chat_completions(self, request: Request) -> Response:
         self._check_auth(request)
         req = self._parse(ChatCompletionRequest, await self._read_json(request))
-        self._check_model(req.model)
+        lora_name = resolve_model(self.settings, self.engine.engine, req.model)
         default = min(self.settings.default_chat_max_tokens, self.settings.max_tokens_limit)
         max_tokens = req.max_completion_tokens or req.max_tokens or default
         param_name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         explicit = bool(req.max_completion_tokens or req.max_tokens)
         params = self._sampling_params(req, max_tokens, param_name, explicit)
+        params.lora_name = lora_name
         if req.logprobs:
             params.logprobs = req.top_logprobs or 0
         self._validate(params)
@@ -172,7 +183,7 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         if req.stream:
             events = event_stream(
-                self.settings.model_name,
+                params.lora_name or self.settings.model_name,
                 rid,
                 streams,
                 firsts,
@@ -236,7 +247,7 @@ class OpenAIServing:
                     index=index, text=prefix + text, logprobs=lpc, finish_reason=reason
                 )
             )
-        name = self.settings.model_name
+        name = params.lora_name or self.settings.model_name
         if chat:
             return ChatCompletionResponse(id=rid, model=name, choices=choices, usage=usage)
         return CompletionResponse(id=rid, model=name, choices=choices, usage=usage)
@@ -421,6 +432,8 @@ def create_app(
         Route("/v1/chat/completions", serving.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", serving.embeddings, methods=["POST"]),
         Route("/v1/models", serving.models, methods=["GET"]),
+        Route("/v1/load_lora_adapter", partial(load_lora_adapter, serving), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", partial(unload_lora_adapter, serving), methods=["POST"]),
         Route("/health", serving.health, methods=["GET"]),
         Route("/metrics", serving.metrics, methods=["GET"]),
     ]

@@ -51,6 +51,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
 
 def api_error_from(exc: BaseException) -> APIError:
     """The HTTP error for an exception raised while serving a request."""
+    from shardspeed.inference.fastgen.lora import LoRANotFoundError
     from shardspeed.inference.serving.async_engine import (
         EngineDeadError,
         QueueFullError,
@@ -73,6 +74,8 @@ def api_error_from(exc: BaseException) -> APIError:
         )
     if isinstance(exc, RequestFailedError):  # this request only; the engine serves on
         return APIError(500, str(exc), type="server_error", code="request_failed")
+    if isinstance(exc, LoRANotFoundError):  # unloaded after the request's model was checked
+        return APIError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}", type="server_error")

@@ -360,6 +360,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "shardspeed"
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -160,6 +160,8 @@ def build_app(
     body_timeout_s: float = 30.0,
     embedding_model: Any = None,
     pooling: str = "auto",
+    lora_modules: dict[str, str] | None = None,
+    lora_root: str | None = None,
     **engine_config: Any,
 ) -> Any:
     """Load the engine and return the ASGI app :func:`serve` runs (arguments as there)."""
@@ -183,9 +185,12 @@ def build_app(
             )
         engine = model_or_path
     else:
+        if lora_modules:
+            engine_config.setdefault("enable_lora", True)
         engine = InferenceEngine.from_pretrained(
             model_or_path, tokenizer=tokenizer, **engine_config
         )
+    _load_lora_modules(engine, lora_modules or {})
     if engine.tokenizer is None:
         raise ValueError(
             "serve() needs a tokenizer to turn text into tokens; pass tokenizer=... (e.g. "
@@ -199,6 +204,7 @@ def build_app(
         default_chat_max_tokens=default_chat_max_tokens,
         chat_template=chat_template,
         body_timeout_s=float(body_timeout_s),
+        lora_root=lora_root,
     )
     embedder = None
     if embedding_model is not None:
@@ -209,6 +215,19 @@ def build_app(
         else:
             embedder = Embedder(embedding_model, pooling=pooling)
     return create_app(AsyncEngine(engine, max_queue=max_queue), settings, embedder=embedder)
+
+
+def _load_lora_modules(engine: Any, lora_modules: dict[str, str]) -> None:
+    """Load the adapters a server starts with (``--lora-modules name=path``)."""
+    if not lora_modules:
+        return
+    if getattr(engine, "lora", None) is None:
+        raise ValueError(
+            f"serve(lora_modules={sorted(lora_modules)}) needs an engine built with "
+            "enable_lora=True."
+        )
+    for name, path in lora_modules.items():
+        engine.lora.load(name, path)
 
 
 def serve(
@@ -230,6 +249,8 @@ def serve(
     max_connections: int | None = None,
     embedding_model: Any = None,
     pooling: str = "auto",
+    lora_modules: dict[str, str] | None = None,
+    lora_root: str | None = None,
     **engine_config: Any,
 ) -> ServerThread | None:
     """Serve a model over an OpenAI-compatible HTTP API.
@@ -260,6 +281,10 @@ def serve(
         pooling: the embedding pooling (``"mean"``, ``"cls"``, ``"last"``; ``"auto"``: the
             directory's sentence-transformers setting, else ``last`` for decoder models and
             ``cls`` for encoders).
+        lora_modules: ``{name: adapter directory}`` PEFT LoRA adapters served from the start
+            (requests pick one with ``"model": name``); turns ``enable_lora`` on.
+        lora_root: directory under which ``POST /v1/load_lora_adapter`` may load adapters
+            while the server runs (None: runtime loading refused).
         engine_config: :class:`EngineConfig` fields (``block_size``, ``scheduler``, ...).
     """
     if api_key is None and not _is_loopback(host):
@@ -281,6 +306,8 @@ def serve(
         body_timeout_s=body_timeout_s,
         embedding_model=embedding_model,
         pooling=pooling,
+        lora_modules=lora_modules,
+        lora_root=lora_root,
         **engine_config,
     )
     server = ServerThread(app, host=host, port=port, log_level=log_level, limits=limits)
