@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default=None, help="e.g. float16, bfloat16, float32")
     engine.add_argument("--device", default=None, help="e.g. cpu, cuda:0")
     engine.add_argument(
+        "--cpu-prepack",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pack linear weights once for oneDNN on CPU (default: bf16/fp16 weights; "
+        "--cpu-prepack also fp32, --no-cpu-prepack never)",
+    )
+    engine.add_argument(
         "--speculative-config",
         type=_speculative_config,
         default=None,
@@ -169,6 +176,7 @@ _ENGINE_KEYS = (
     "enable_lora",
     "max_loras",
     "max_lora_rank",
+    "cpu_prepack",
 )
 
 

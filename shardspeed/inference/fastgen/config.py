@@ -83,6 +83,10 @@ class EngineConfig:
             eager forward only.
         max_loras: adapters loaded at once (with ``enable_lora``).
         max_lora_rank: largest adapter rank accepted (with ``enable_lora``).
+        cpu_prepack: pack ``nn.Linear`` weights once for oneDNN on CPU (see
+            :mod:`~shardspeed.inference.fastgen.cpu_prepack`): None (auto) packs bf16/fp16
+            weights (bitwise equal to ``F.linear``), True also fp32 (rounding differs by
+            ~1e-6 relative), False never; the packed copies double the weight memory.
     """
 
     block_size: int | None = None
@@ -110,6 +114,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 4
     max_lora_rank: int = 16
+    cpu_prepack: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

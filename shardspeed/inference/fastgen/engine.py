@@ -29,6 +29,7 @@ import torch
 from shardspeed.inference.fastgen.attention import select_backend
 from shardspeed.inference.fastgen.block_pool import BlockPool
 from shardspeed.inference.fastgen.config import EngineConfig
+from shardspeed.inference.fastgen.cpu_prepack import prepack_linears, resolve_prepack
 from shardspeed.inference.fastgen.expert_parallel import start_expert_parallel
 from shardspeed.inference.fastgen.kv_cache import KVCacheSpec, resolve_num_blocks
 from shardspeed.inference.fastgen.kv_quant import make_kv_cache
@@ -141,6 +142,11 @@ class InferenceEngine:
             self.model, self.kv_cache, self.device, backend, cfg.compile_decode,
             cfg.max_ragged_sequence_count, self.max_seq_len, self.peers,
         )  # fmt: skip
+        packed = resolve_prepack(
+            cfg.cpu_prepack, self.device, spec.dtype,
+            compiled=self.runner.compiled is not None, offloaded=self.weight_offload is not None,
+        )  # fmt: skip
+        prepack_linears(self.model, packed)  # CPU: oneDNN weights packed once, not per call
         self.speculator = build_speculator(self)  # None unless cfg.speculative_config
         self.lora = LoRAManager(m, cfg.max_loras, cfg.max_lora_rank) if cfg.enable_lora else None
         self.runner.lora = self.lora  # adapters of the batch's requests (enable_lora)

@@ -1,0 +1,122 @@
+"""CPU pre-packed linear weights (fastgen/cpu_prepack.py): decisions, numerics, staleness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fastgen_helpers import engine_for
+
+from shardspeed.inference.fastgen.cpu_prepack import (
+    _native_dtypes,
+    is_prepacked,
+    prepack_linears,
+    resolve_prepack,
+)
+from shardspeed.inference.fastgen.sampling_params import SamplingParams
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+needs_bf16 = pytest.mark.skipif(
+    torch.bfloat16 not in _native_dtypes(), reason="no oneDNN bf16 kernels on this CPU"
+)
+
+
+def _resolve(requested, dtype=torch.bfloat16, device=CPU, compiled=False, offloaded=False):
+    return resolve_prepack(requested, device, dtype, compiled=compiled, offloaded=offloaded)
+
+
+@needs_onednn
+def test_decisions() -> None:
+    assert _resolve(None, torch.float32) == ()  # fp32 rounding would differ: opt-in only
+    assert _resolve(False) == ()
+    assert torch.float32 in _resolve(True, torch.float32)
+    assert _resolve(None, compiled=True) == ()  # Inductor packs its own
+    assert _resolve(None, offloaded=True) == ()  # streamed layers would repack per load
+    assert _resolve(None, device=torch.device("cuda")) == ()
+    assert _resolve(None) == tuple(d for d in _native_dtypes() if d == torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("requested", "kwargs", "match"),
+    [
+        ("yes", {}, "must be None"),
+        (True, {"compiled": True}, "compile_decode"),
+        (True, {"offloaded": True}, "offload"),
+        (True, {"device": torch.device("cuda")}, "device cuda"),
+    ],
+)
+def test_refusals_name_the_setting(requested, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match) as err:
+        _resolve(requested, **kwargs)
+    assert "cpu_prepack" in str(err.value)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_matches_and_follows_in_place_updates(dtype) -> None:
+    if dtype == torch.bfloat16 and torch.bfloat16 not in _native_dtypes():
+        pytest.skip("no oneDNN bf16 kernels on this CPU")
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80).to(dtype).requires_grad_(False)
+    seen = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(o.shape))  # hooks keep firing
+    x = torch.randn(3, 5, 48, dtype=dtype)
+    ref = F.linear(x, layer.weight, layer.bias)
+    assert prepack_linears(nn.Sequential(layer), (dtype,)) == 1 and is_prepacked(layer)
+    out = layer(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)  # the same oneDNN kernel as F.linear
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # an in-place update must not be served stale
+    torch.testing.assert_close(
+        layer(x).float(), F.linear(x, layer.weight, layer.bias).float(), rtol=1e-2, atol=1e-2
+    )
+    with torch.no_grad():
+        layer.weight.data = torch.zeros_like(layer.weight)  # a new storage as well
+    assert torch.equal(layer(x), layer.bias.expand(3, 5, 80))
+    assert len(seen) == 3
+
+
+def test_other_dtypes_and_subclasses_are_left_alone() -> None:
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), MyLinear(4, 4))
+    assert prepack_linears(model, (torch.bfloat16,)) == 0  # fp32 weights, bf16 asked
+    assert prepack_linears(model, ()) == 0
+    assert not any(is_prepacked(m) for m in model)
+
+
+@needs_bf16
+def test_bf16_engine_tokens_bitwise_equal_with_and_without(tiny_llama, prompts) -> None:
+    params = SamplingParams(max_new_tokens=6)
+
+    def run(**kwargs):
+        engine = engine_for(tiny_llama, dtype=torch.bfloat16, **kwargs)
+        packed = any(is_prepacked(m) for m in engine.model.modules())
+        ids = [engine.add_request(p, params) for p in prompts[:6]]
+        got = {i: [] for i in ids}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+        return packed, [got[i] for i in ids]
+
+    packed_on, on = run()
+    packed_off, off = run(cpu_prepack=False)
+    assert packed_on and not packed_off
+    assert on == off
+
+
+def test_serve_cli_flag() -> None:
+    from shardspeed.launcher.serve_cmd import _ENGINE_KEYS, build_parser
+
+    assert "cpu_prepack" in _ENGINE_KEYS
+    assert build_parser().parse_args(["m"]).cpu_prepack is None
+    assert build_parser().parse_args(["m", "--cpu-prepack"]).cpu_prepack is True
+    assert build_parser().parse_args(["m", "--no-cpu-prepack"]).cpu_prepack is False
