@@ -105,6 +105,16 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """``finite_logits(logits).argmax(-1)`` without the full copy: ``argmax`` already picks
+    the first ``+inf`` (as the clamp to the largest finite value would) and leaves ``-inf``
+    alone; only a row whose maximum is ``nan`` needs :func:`finite_logits`."""
+    chosen = logits.argmax(dim=-1)  # [M]
+    if torch.isnan(logits.gather(-1, chosen.unsqueeze(-1))).any():
+        chosen = finite_logits(logits).argmax(dim=-1)
+    return chosen.tolist()
+
+
 def safe_probs(logits: torch.Tensor) -> torch.Tensor:
     """Softmax of ``[M, V]`` logits; a row that is not a distribution becomes one-hot argmax."""
     probs = logits.softmax(dim=-1)  # [M, V]
@@ -150,9 +160,12 @@ def sample_next_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> lis
         groups.setdefault(_group_key(req), []).append(row)
     result = [0] * len(requests)
     for (temperature, top_k, top_p), rows in groups.items():
-        group = logits[torch.tensor(rows, device=logits.device)]  # [G, V] (a copy)
+        if len(rows) == len(requests):  # one group: every row, in order (no copy)
+            group = logits
+        else:
+            group = logits[torch.tensor(rows, device=logits.device)]  # [G, V] (a copy)
         if temperature == 0.0:
-            chosen = finite_logits(group).argmax(dim=-1).tolist()
+            chosen = greedy_tokens(group)
         else:
             group = apply_top_p(apply_top_k(finite_logits(group / temperature), top_k), top_p)
             chosen = _draw(safe_probs(group), [requests[r] for r in rows])

@@ -124,3 +124,21 @@ def test_sampling_params_accepts_single_stop_values():
     p = SamplingParams(stop="\n", stop_token_ids=2)
     assert p.stop == ["\n"] and p.stop_token_ids == [2]
     p.validate()
+
+
+def test_greedy_tokens_equal_argmax_of_finite_logits() -> None:
+    from shardspeed.inference.fastgen.sampling import finite_logits, greedy_tokens
+
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [
+            [0.1, 2.0, -1.0, 2.0],  # a tie: the first maximum
+            [0.1, inf, 3.0, inf],  # overflow to +inf: the first one
+            [-inf, -inf, -5.0, -inf],  # filtered tokens stay out
+            [nan, 1.0, 4.0, 0.0],  # nan is not chosen (argmax alone would pick it)
+            [nan, nan, nan, 7.0],
+        ]
+    )
+    expected = finite_logits(logits).argmax(dim=-1).tolist()
+    assert greedy_tokens(logits) == expected == [1, 1, 2, 2, 3]
+    assert greedy_tokens(logits[:3]) == expected[:3]
