@@ -69,3 +69,30 @@ def stop_workers(procs: list[BaseProcess], conns: list[Connection], stop_tag: st
             proc.join(1.0)
     for conn in conns:
         conn.close()
+
+
+def await_replies(
+    workers: list[tuple[str, BaseProcess, Connection]],
+    expected: str,
+    timeout_s: float,
+    fail: Callable[[str], Exception],
+) -> list[object]:
+    """Each worker's next ``(kind, payload)`` message, which must be ``expected``; payloads
+    in order. ``fail(reason)`` builds the raised error when a worker exits, stays silent
+    for ``timeout_s`` (one deadline for all), reports an error (``"error"``, its
+    traceback) or sends another kind."""
+    deadline = time.monotonic() + timeout_s
+    payloads = []
+    for name, proc, conn in workers:
+        while not conn.poll(0.05):
+            if not proc.is_alive() and not conn.poll(0):
+                raise fail(f"{name} exited (code {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise fail(f"{name} sent no {expected!r} in {timeout_s:g} s")
+        kind, payload = conn.recv()
+        if kind == "error":
+            raise fail(f"{name} failed:\n{payload}")
+        if kind != expected:
+            raise fail(f"{name} sent {kind!r}, not {expected!r}")
+        payloads.append(payload)
+    return payloads

@@ -48,7 +48,7 @@ from shardspeed.inference.fastgen.pipeline_parallel.worker import (
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 from shardspeed.inference.fastgen.tensor_parallel.group import GroupHandle, open_store
 from shardspeed.inference.fastgen.tensor_parallel.peers import worker_devices
-from shardspeed.inference.fastgen.worker_entry import stop_workers
+from shardspeed.inference.fastgen.worker_entry import await_replies, stop_workers
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -168,23 +168,10 @@ class PipelineStages:
             raise error from exc
 
     def _wait_all(self, expected: str) -> list[Any]:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        payloads = []
-        for name, proc, conn in zip(self._names, self._procs, self._conns):
-            while not conn.poll(0.05):
-                if not proc.is_alive() and not conn.poll(0):
-                    raise self._failure(None, f"{name} exited (code {proc.exitcode})")
-                if time.monotonic() > deadline:
-                    raise self._failure(
-                        None, f"{name} sent no {expected!r} in {STARTUP_TIMEOUT_S} s"
-                    )
-            kind, payload = conn.recv()
-            if kind == msg.ERROR:
-                raise self._failure(None, f"{name} failed:\n{payload}")
-            if kind != expected:
-                raise self._failure(None, f"{name} sent {kind!r}, not {expected!r}")
-            payloads.append(payload)
-        return payloads
+        workers = list(zip(self._names, self._procs, self._conns))
+        return await_replies(
+            workers, expected, STARTUP_TIMEOUT_S, lambda why: self._failure(None, why)
+        )
 
     # ------------------------------------------------------------ micro-batches
     def send_batch(self, batch: ScheduledBatch, modes: list[int]) -> None:

@@ -37,7 +37,7 @@ from shardspeed.inference.fastgen.tensor_parallel.group import (
     open_store,
 )
 from shardspeed.inference.fastgen.tensor_parallel.worker import WorkerArgs, worker_main
-from shardspeed.inference.fastgen.worker_entry import stop_workers
+from shardspeed.inference.fastgen.worker_entry import await_replies, stop_workers
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -144,20 +144,9 @@ class TensorParallelPeers:
         return cache
 
     def _wait_all(self, expected: str) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns), start=1):
-            while not conn.poll(0.05):
-                if not proc.is_alive() and not conn.poll(0):
-                    raise self._failure(None, f"worker rank {rank} exited (code {proc.exitcode})")
-                if time.monotonic() > deadline:
-                    raise self._failure(
-                        None, f"worker rank {rank} sent no {expected!r} in {STARTUP_TIMEOUT_S} s"
-                    )
-            kind, payload = conn.recv()
-            if kind == msg.ERROR:
-                raise self._failure(None, f"worker rank {rank} failed:\n{payload}")
-            if kind != expected:
-                raise self._failure(None, f"worker rank {rank} sent {kind!r}, not {expected!r}")
+        names = [f"worker rank {rank}" for rank in range(1, len(self._procs) + 1)]
+        workers = list(zip(names, self._procs, self._conns))
+        await_replies(workers, expected, STARTUP_TIMEOUT_S, lambda why: self._failure(None, why))
 
     # --------------------------------------------------------------------- steps
     def execute(self, batch: ScheduledBatch, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
