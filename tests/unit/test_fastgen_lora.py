@@ -135,6 +135,11 @@ def test_limits_and_refusals(tmp_path):
         engine.add_request([5, 6], SamplingParams(lora_name="nope"))
     with pytest.raises(LoRANotFoundError, match="'nope'"):
         engine.lora.unload("nope")
+    weights = p2 / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])  # truncated on disk
+    engine.lora.unload(n0)
+    with pytest.raises(ValueError, match="cannot read it as a safetensors file"):
+        engine.lora.load(n2, str(p2))
     plain = InferenceEngine(base, config=EngineConfig(block_size=4, num_blocks=64))
     with pytest.raises(ValueError, match="started without LoRA"):
         plain.add_request([5, 6], SamplingParams(lora_name=n0))

@@ -81,7 +81,14 @@ def read_peft_adapter(path: str | Path) -> PeftLoRA:
     if not isinstance(config, dict):
         raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}.")
     _check_config(config, config_path)
-    pairs = _pair_tensors(load_file(str(weights_path)), weights_path)
+    try:
+        tensors = load_file(str(weights_path))
+    except Exception as exc:  # safetensors' own error: truncated, corrupted, not safetensors
+        raise ValueError(
+            f"{weights_path}: cannot read it as a safetensors file ({exc}); re-save the adapter "
+            "with save_pretrained()."
+        ) from exc
+    pairs = _pair_tensors(tensors, weights_path)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     for module, (a, b) in pairs.items():
         rank, alpha = _module_rank_alpha(config, module)
