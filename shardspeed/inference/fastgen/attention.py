@@ -19,6 +19,10 @@ Backends (chosen once per engine, see :func:`select_backend`):
   small; see :func:`~shardspeed.inference.fastgen.ragged.group_decodes`); each
   prompt chunk runs its own SDPA with a causal offset mask (or ``is_causal``
   when it starts at position 0).
+* ``"cpu"`` (CPU, the default where it builds): every decode of the step in one call of
+  the native kernel (:mod:`~shardspeed.inference.fastgen.cpu_attention`), which reads the
+  blocks in place through each sequence's block table and accumulates in fp32; prompt
+  chunks as in ``"torch"``.
 * ``"flash"`` (CUDA, ``flash_attn`` importable, ``block_size % 256 == 0``):
   ``flash_attn_varlen_func`` reads the paged cache through ``block_table``.
 """
@@ -35,7 +39,7 @@ from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "torch", "flash")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
 
 
 @dataclass
@@ -59,6 +63,16 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every single-token sequence of the step, for the ``"cpu"`` backend's one kernel call."""
+
+    rows: torch.Tensor  # [S] rows of the ragged batch
+    block_table: torch.Tensor  # [S, MB] int64 (unused entries are never read)
+    context_lens: torch.Tensor  # [S] int64
+    all_rows: bool  # rows == arange(N): the step is decode-only
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention bookkeeping shared by every layer."""
 
@@ -66,6 +80,8 @@ class AttentionMetadata:
     # torch backend
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     chunks: list[ChunkMeta] = field(default_factory=list)
+    # cpu backend (chunks as above)
+    decodes: DecodeBatch | None = None
     # flash backend
     cu_seqlens_q: torch.Tensor | None = None  # [S + 1] int32
     cu_seqlens_k: torch.Tensor | None = None  # [S + 1] int32
@@ -87,7 +103,8 @@ def flash_attn_available() -> bool:
 def select_backend(
     requested: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float16
 ) -> str:
-    """Resolve ``"auto"`` to ``"flash"`` or ``"torch"``; validate explicit choices."""
+    """Resolve ``"auto"`` to ``"flash"`` (CUDA), ``"cpu"`` (CPU, where the native kernel
+    builds) or ``"torch"``; validate explicit choices."""
     if requested not in ATTENTION_BACKENDS:
         raise ValueError(
             f"EngineConfig.attention_backend={requested!r} is not supported; "
@@ -105,7 +122,26 @@ def select_backend(
             f"weights and block_size divisible by 256 (got block_size={block_size}, "
             f"device={device}, dtype={dtype}); use attention_backend='auto'."
         )
-    backend = "flash" if flash_ok and requested in ("auto", "flash") else "torch"
+    if requested == "cpu" and device.type != "cpu":
+        raise ValueError(
+            f"attention_backend='cpu' runs on CPU tensors only (device={device}); use "
+            "attention_backend='auto'."
+        )
+    if requested == "cpu" or (requested == "auto" and device.type == "cpu"):
+        from shardspeed.inference.fastgen.cpu_attention import kernel_available
+
+        if kernel_available():
+            backend = "cpu"
+        elif requested == "cpu":
+            raise ValueError(
+                "attention_backend='cpu' needs FastGen's native CPU attention kernel, which "
+                "could not be built here (see the warning above); use attention_backend='auto' "
+                "or 'torch'."
+            )
+        else:
+            backend = "torch"
+    else:
+        backend = "flash" if flash_ok and requested in ("auto", "flash") else "torch"
     logger.info("attention backend: %s (device=%s, block_size=%d)", backend, device, block_size)
     return backend
 
@@ -199,7 +235,12 @@ def _torch_attention(
     k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]  # [num_blocks, BS, H_kv, D]
     n_tok, n_heads, d = q.shape
     n_kv = k_cache.shape[2]
+    dec = meta.decodes
+    if dec is not None and dec.all_rows and not meta.chunks:
+        return _native_decode(q, k_cache, v_cache, dec, window, scale, softcap)
     out = torch.empty_like(q)  # [N, H, D]
+    if dec is not None:
+        out[dec.rows] = _native_decode(q[dec.rows], k_cache, v_cache, dec, window, scale, softcap)
     for gi, g in enumerate(meta.decode_groups):
         num = g.rows.numel()
         # Gather whole blocks (contiguous copies), not single slots.
@@ -236,6 +277,24 @@ def _torch_attention(
         )  # [1, H, n, D]
         out[c.token_start : c.token_start + c.num_tokens] = oc[0].transpose(0, 1)
     return out
+
+
+def _native_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    dec: DecodeBatch,
+    window: int | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[S, H, D]``: the ``"cpu"`` backend's decodes, one native kernel call."""
+    from shardspeed.inference.fastgen.cpu_attention import paged_decode
+
+    return paged_decode(
+        q, k_cache, v_cache, dec.block_table, dec.context_lens,
+        scale=scale if scale is not None else q.shape[-1] ** -0.5, window=window, softcap=softcap,
+    )  # fmt: skip
 
 
 def _flash_attention(

@@ -35,7 +35,8 @@ class EngineConfig:
         dtype: weights/KV dtype (``torch.dtype`` or name); None => checkpoint's
             (fp16 checkpoints run in fp32 on CPU).
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None => the accelerator.
-        attention_backend: ``"auto"`` | ``"torch"`` | ``"flash"``.
+        attention_backend: ``"auto"`` | ``"torch"`` | ``"cpu"`` | ``"flash"`` (``"auto"``: flash
+            on CUDA where it applies, the native CPU decode kernel on CPU where it builds).
         watermark: fraction of blocks kept free when admitting new prompts while
             others run (fewer preemptions).
         quantization: weight-only quantization of the model's linear layers after

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shardspeed.inference.fastgen.attention import AttentionMetadata, ChunkMeta, DecodeGroup
+from shardspeed.inference.fastgen.attention import (
+    AttentionMetadata,
+    ChunkMeta,
+    DecodeBatch,
+    DecodeGroup,
+)
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch
 
 
@@ -57,7 +62,7 @@ def build_ragged_batch(
     if backend == "flash":
         attn = _flash_metadata(batch, device)
     else:
-        attn = _torch_metadata(batch, block_size, device)
+        attn = _torch_metadata(batch, block_size, device, native_decodes=backend == "cpu")
 
     def as_long(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
@@ -91,9 +96,11 @@ def group_decodes(context_lens: list[int], max_padding: float = 0.25) -> list[li
 
 
 def _torch_metadata(
-    batch: ScheduledBatch, block_size: int, device: torch.device
+    batch: ScheduledBatch, block_size: int, device: torch.device, native_decodes: bool = False
 ) -> AttentionMetadata:
-    meta = AttentionMetadata(backend="torch")
+    """Prompt chunks, and decodes either grouped for padded SDPA or (``native_decodes``, the
+    ``"cpu"`` backend) all in one :class:`DecodeBatch`."""
+    meta = AttentionMetadata(backend="cpu" if native_decodes else "torch")
     decodes: list[tuple[int, int, list[int]]] = []  # (row, context_len, block_table)
     row = 0
     for seq in batch.sequences:
@@ -109,6 +116,10 @@ def _torch_metadata(
             blocks = torch.tensor(table, dtype=torch.long).to(device)
             meta.chunks.append(ChunkMeta(row, n, ctx, blocks, mask))
         row += n
+    if native_decodes:
+        if decodes:
+            meta.decodes = _decode_batch(decodes, row, device)
+        return meta
     for members in group_decodes([ctx for _, ctx, _ in decodes]):
         lens = torch.tensor([decodes[i][1] for i in members])
         max_blocks = max(len(decodes[i][2]) for i in members)
@@ -123,6 +134,23 @@ def _torch_metadata(
         rows = torch.tensor([decodes[i][0] for i in members], dtype=torch.long)
         meta.decode_groups.append(DecodeGroup(rows.to(device), table.to(device), mask))
     return meta
+
+
+def _decode_batch(
+    decodes: list[tuple[int, int, list[int]]], num_rows: int, device: torch.device
+) -> DecodeBatch:
+    """All decodes ``(row, context_len, block_table)`` as one kernel call's inputs."""
+    max_blocks = max(len(table) for _, _, table in decodes)
+    table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # [S, MB]
+    for j, (_, _, blocks) in enumerate(decodes):
+        table[j, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    rows = [r for r, _, _ in decodes]
+    return DecodeBatch(
+        rows=torch.tensor(rows, dtype=torch.long).to(device),
+        block_table=table.to(device),
+        context_lens=torch.tensor([ctx for _, ctx, _ in decodes], dtype=torch.long).to(device),
+        all_rows=len(rows) == num_rows,
+    )
 
 
 def _flash_metadata(batch: ScheduledBatch, device: torch.device) -> AttentionMetadata:

@@ -8,7 +8,8 @@ source, the compiler flags, the compiler's ``--version``, torch (version and ins
 directory), the Python version and the CPU's instruction-set flags. ``-march=native`` code
 built on one CPU is therefore never loaded on another (a home directory shared over NFS by
 different machines gets one build per CPU type), and editing the source or upgrading torch
-rebuilds.
+rebuilds. :func:`load_extension` builds any other C++ source the same way (FastGen's CPU
+paged-attention kernel uses it).
 
 Concurrency: torch's own loader serialises builds with a lock file that it creates with
 ``O_EXCL`` and deletes when done; a builder that is killed leaves the file behind and every
@@ -49,7 +50,11 @@ EXTENSION_PREFIX = "shardspeed_cpu_adam"
 _BASE_CFLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 
 
-class CpuAdamBuildError(RuntimeError):
+class NativeBuildError(RuntimeError):
+    """A JIT-built native kernel cannot be built or loaded on this machine."""
+
+
+class CpuAdamBuildError(NativeBuildError):
     """The native CPU Adam kernel cannot be built or loaded on this machine."""
 
 
@@ -211,15 +216,25 @@ def load_cpu_adam() -> ModuleType:
     return _loaded
 
 
-def _build_and_load() -> ModuleType:
+def _build_and_load(
+    source: Path | None = None,
+    prefix: str = EXTENSION_PREFIX,
+    what: str = "the native CPU Adam kernel",
+    error: type[NativeBuildError] = CpuAdamBuildError,
+) -> ModuleType:
+    """Build (if its cached binary is missing) and import one C++ source (default: the CPU
+    Adam kernel's ``SOURCE``, read at call time) as a module."""
+    source = SOURCE if source is None else source
     if os.name != "posix":
-        raise CpuAdamBuildError(
-            f"JIT builds use gcc/clang flags; os.name={os.name!r} is not 'posix'"
-        )
+        raise error(f"JIT builds use gcc/clang flags; os.name={os.name!r} is not 'posix'")
     isa = cpu_isa_flags()
     cflags = compiler_flags(isa)
-    key = cache_key(SOURCE.read_bytes(), cflags, compiler_identity(), isa)
-    name = f"{EXTENSION_PREFIX}_{key}"
+    try:
+        compiler = compiler_identity()
+    except CpuAdamBuildError as err:
+        raise error(str(err)) from err
+    key = cache_key(source.read_bytes(), cflags, compiler, isa)
+    name = f"{prefix}_{key}"
     build_dir = extensions_root() / name
     library = build_dir / f"{name}.so"
     from torch.utils.cpp_extension import load
@@ -229,29 +244,55 @@ def _build_and_load() -> ModuleType:
             build_dir.mkdir(parents=True, exist_ok=True)
             stack.enter_context(_build_lock(build_dir))
         except OSError as err:
-            raise CpuAdamBuildError(
+            raise error(
                 f"cannot use the build directory {build_dir} ({err}). Fix: set "
                 "TORCH_EXTENSIONS_DIR to a writable directory."
             ) from err
-        stack.enter_context(_ninja_on_path())
+        try:
+            stack.enter_context(_ninja_on_path())
+        except CpuAdamBuildError as err:
+            raise error(str(err)) from err
         if not library.exists():
             log_dist(
-                f"building the native CPU Adam kernel in {build_dir} (first use with this "
-                "source, compiler and CPU; about 5-30 s, cached afterwards)"
+                f"building {what} in {build_dir} (first use with this source, compiler and "
+                "CPU; about 5-60 s, cached afterwards)"
             )
         start = time.perf_counter()
         try:
             module = load(
                 name=name,
-                sources=[str(SOURCE)],
+                sources=[str(source)],
                 extra_cflags=cflags,
                 build_directory=str(build_dir),
                 verbose=False,
             )
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as err:
             tail = "\n".join(str(err).strip().splitlines()[-15:])
-            raise CpuAdamBuildError(
-                f"building {SOURCE.name} in {build_dir} failed:\n{tail}"
-            ) from err
+            raise error(f"building {source.name} in {build_dir} failed:\n{tail}") from err
     logger.debug("loaded %s in %.1f s", library, time.perf_counter() - start)
     return module
+
+
+_extensions: dict[Path, ModuleType | NativeBuildError] = {}
+
+
+def load_extension(source: Path, prefix: str, what: str) -> ModuleType:
+    """Build (first use on this machine) and import the C++ ``source`` as a Python module.
+
+    The same cache key, build directory layout and build lock as the CPU Adam kernel
+    (see the module docstring). The outcome is cached for the process: a failure is raised
+    again without a second build attempt.
+
+    Raises:
+        NativeBuildError: not a POSIX system, no compiler, no ninja, or the build failed.
+    """
+    with _load_lock:
+        if source not in _extensions:
+            try:
+                _extensions[source] = _build_and_load(source, prefix, what, NativeBuildError)
+            except NativeBuildError as err:
+                _extensions[source] = err
+    outcome = _extensions[source]
+    if isinstance(outcome, NativeBuildError):
+        raise outcome
+    return outcome

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardspeed.inference.fastgen.attention import paged_attention
@@ -22,7 +23,8 @@ def _dense(q, k, v):
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, -torch.inf).softmax(-1), v)
 
 
-def test_mixed_chunks_and_decodes_match_dense_attention():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_chunks_and_decodes_match_dense_attention(backend: str):
     torch.manual_seed(0)
     H, H_KV, D, BS, EXTRA = 4, 2, 8, 4, 3
     prompt_lens = [11, 3, 17, 6, 9]
@@ -39,7 +41,7 @@ def test_mixed_chunks_and_decodes_match_dense_attention():
     steps = 0
     while sched.has_unfinished():
         batch = sched.schedule()
-        ragged = build_ragged_batch(batch, BS, torch.device("cpu"), "torch")
+        ragged = build_ragged_batch(batch, BS, torch.device("cpu"), backend)
         rows = [
             (int(s.request.request_id), p)
             for s in batch.sequences

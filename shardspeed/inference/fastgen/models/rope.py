@@ -241,6 +241,9 @@ def forward_seq_lens(batch: RaggedBatch) -> torch.Tensor:
     return seq_lens
 
 
+_MAX_TABLE = 32768  # positions a cos/sin table covers (fp32, rot_dim 128: 32 MiB for both)
+
+
 class RotaryEmbedding(nn.Module):
     """``cos``/``sin`` ``[N, rot_dim]`` per token (half-rotation layout, HF's ``rotate_half``)."""
 
@@ -255,6 +258,8 @@ class RotaryEmbedding(nn.Module):
             )
         self.inv_freq_cpu = inv_freq  # not a buffer: survives meta init
         self.length_dependent = spec.rope_type in ("dynamic", "longrope")
+        # static types: (device, dtype) -> cos/sin rows of positions 0..len-1, grown on demand
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def recompute_len(self) -> int | None:
@@ -296,10 +301,38 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"rope_type={self.spec.rope_type!r} needs per-token seq_lens")
             freqs = positions.float().unsqueeze(-1) * self._per_token_inv_freq(seq_lens)
         else:
+            table = None
+            if positions.device.type == "cpu" and not torch.compiler.is_compiling():
+                table = self._table(positions, dtype)  # (on CPU: reading the max syncs nothing)
+            if table is not None:
+                return table[0][positions], table[1][positions]
             freqs = positions.float().unsqueeze(-1) * self.inv_freq_cpu.to(positions.device)
+        return self._cos_sin(freqs, dtype)
+
+    def _cos_sin(
+        self, freqs: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         emb = torch.cat((freqs, freqs), dim=-1)  # [N, rot_dim]
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+    def _table(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin ``[L, rot_dim]`` of positions ``0..L-1`` covering ``positions`` (static
+        rope types): the same elementwise values as computing them per step, built once and
+        doubled when a position passes the end; None past :data:`_MAX_TABLE` positions."""
+        key = (positions.device, dtype)
+        table = self._tables.get(key)
+        if table is None or (positions.numel() and int(positions.max()) >= table[0].shape[0]):
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            if need > _MAX_TABLE:
+                return None
+            length = min(max(need, 2 * (table[0].shape[0] if table else 0), 256), _MAX_TABLE)
+            steps = torch.arange(length, device=positions.device)
+            freqs = steps.float().unsqueeze(-1) * self.inv_freq_cpu.to(positions.device)
+            table = self._tables[key] = self._cos_sin(freqs, dtype)
+        return table
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,240 @@
+// Decode attention over FastGen's blocked KV cache, on CPU, in one call for every decoding
+// sequence of a step.
+//
+// Each decoding sequence g has one query token at position context_lens[g] - 1; its keys
+// live in k_cache[block_table[g][p / BS], p % BS] for p < context_lens[g]. The kernel reads
+// them in place (no gathered copy of the blocks), accumulates in fp32 whatever the storage
+// type (fp32, bf16, fp16), and writes the output in the query's type.
+//
+// Work item = (sequence, KV head): the query heads that share a KV head (GQA) are computed
+// together, so each key and value row is converted to fp32 once. Items are spread over
+// torch's intra-op threads (at::parallel_for).
+//
+// Per item:  s[r, p] = scale * <q_r, k_p>          (optionally softcap * tanh(s / softcap))
+//            w[r, p] = exp(s[r, p] - max_p s[r, p]) / sum_p exp(...)
+//            out_r   = sum_p w[r, p] v_p
+// over the keys p of the item's window (all of 0 .. ctx-1, or the last `window` of them).
+
+#include <torch/extension.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void load_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void load_float<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+}
+
+template <>
+inline void load_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  // bf16 is the high half of an fp32: a shift, which the compiler vectorises.
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    float value;
+    std::memcpy(&value, &wide, sizeof(value));
+    dst[i] = value;
+  }
+}
+
+// exp(x) for x <= 0 (softmax of max-subtracted scores): 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2 / 2, p a degree-6 polynomial (relative error ~2e-7). Branch-free, so the loop
+// that calls it vectorises; std::exp does not.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.38888889e-3f;
+  p = p * r + 8.33333333e-3f;
+  p = p * r + 4.16666667e-2f;
+  p = p * r + 1.66666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + i), _mm512_maskz_loadu_ps(tail, b + i),
+                          acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  }
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 sum = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + i),
+                                       _mm512_maskz_loadu_ps(tail, y + i));
+    _mm512_mask_storeu_ps(y + i, tail, sum);
+  }
+}
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+}
+#endif
+
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_table, const at::Tensor& context_lens, at::Tensor& out,
+                 double scale, int64_t window, double softcap) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv = k_cache.size(2);
+  const int64_t rep = num_heads / num_kv;
+  const int64_t max_blocks = block_table.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(softcap);
+
+  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(rep * head_dim), row(head_dim), acc(rep * head_dim);
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t g = item / num_kv, h = item % num_kv;
+      const int64_t ctx = lens[g];
+      const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
+      const int64_t n = ctx - first;
+      scores.resize(static_cast<size_t>(rep * n));
+      const int64_t q_row = g * num_heads + h * rep;  // first query head of this KV head
+      for (int64_t r = 0; r < rep; ++r) {
+        load_float<T>(qp + (q_row + r) * head_dim, qf.data() + r * head_dim, head_dim);
+      }
+      const int64_t* blocks = table + g * max_blocks;
+      // keys first .. ctx-1, walked block by block (no division per key)
+      for (int64_t p = first; p < ctx;) {
+        const int64_t base = blocks[p / block_size] * block_size;
+        const int64_t stop = std::min(ctx, (p / block_size + 1) * block_size);
+        for (; p < stop; ++p) {
+          const int64_t slot = base + p % block_size;
+          load_float<T>(kp + (slot * num_kv + h) * head_dim, row.data(), head_dim);
+          float* col = scores.data() + (p - first);
+          for (int64_t r = 0; r < rep; ++r) {
+            col[r * n] = dot(qf.data() + r * head_dim, row.data(), head_dim);
+          }
+        }
+      }
+      for (int64_t j = 0; j < rep * n; ++j) {
+        float s = scores[j] * fscale;
+        if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
+        scores[j] = s;
+      }
+      std::vector<float> inv_sum(rep);
+      for (int64_t r = 0; r < rep; ++r) {
+        float* s = scores.data() + r * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < n; ++j) {
+          s[j] = exp_nonpositive(s[j] - mx);
+          total += s[j];
+        }
+        inv_sum[r] = 1.f / total;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = first; p < ctx;) {
+        const int64_t base = blocks[p / block_size] * block_size;
+        const int64_t stop = std::min(ctx, (p / block_size + 1) * block_size);
+        for (; p < stop; ++p) {
+          const int64_t slot = base + p % block_size;
+          load_float<T>(vp + (slot * num_kv + h) * head_dim, row.data(), head_dim);
+          for (int64_t r = 0; r < rep; ++r) {
+            axpy(scores[r * n + (p - first)], row.data(), acc.data() + r * head_dim, head_dim);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rep; ++r) {
+        T* dst = op + (q_row + r) * head_dim;
+        const float* src = acc.data() + r * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d] * inv_sum[r]);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& context_lens,
+                        double scale, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k_cache / v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of q and the cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+                  q.scalar_type() == v_cache.scalar_type(),
+              "q and the KV cache must have one dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "block_table and context_lens must be int64");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) &&
+                  context_lens.numel() == q.size(0),
+              "block_table must be [num_seqs, max_blocks] and context_lens [num_seqs]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the cache must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor table = block_table.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
+    decode_impl<scalar_t>(qc, k_cache, v_cache, table, lens, out, scale, window, softcap);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode,
+        "Decode attention of one query token per sequence over the blocked KV cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("softcap"));
+}
