@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from tests.unit.inference.fastgen_helpers import hf_greedy as hf_greedy  # re-exported
+
 VOCAB = 128
 
 
@@ -57,17 +59,6 @@ def make_adapter(
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.15)
     peft_model.save_pretrained(str(path))
     return peft_model.merge_and_unload().eval()
-
-
-def hf_greedy(model: Any, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    refs = []
-    with torch.no_grad():
-        for p in prompts:
-            out = model.generate(
-                torch.tensor([p]), do_sample=False, max_new_tokens=max_new, pad_token_id=0
-            )
-            refs.append(out[0, len(p) :].tolist())
-    return refs
 
 
 def prompts(n: int, seed: int = 1, lo: int = 3, hi: int = 20) -> list[list[int]]:

@@ -64,12 +64,8 @@ logger = get_logger(__name__)
 
 def check_pipeline_config(config: EngineConfig) -> None:
     """``ValueError`` for engine options that do not combine with ``pipeline_parallel > 1``."""
-    pp, tp = config.pipeline_parallel, config.tensor_parallel
+    pp = config.pipeline_parallel
     refusals = [
-        (tp > 1 and config.quantization is not None,
-         f"quantization=int{getattr(config.quantization, 'bits', '?')} with tensor_parallel={tp}",
-         "each stage's tensor ranks would quantize their slices, not the whole row-parallel "
-         "weights tensor_parallel alone quantizes; drop quantization or one of the two"),
         (config.offload is not None, f"offload={getattr(config.offload, 'device', config.offload)!r}",
          "ZeRO-Inference offload streams one process's layers; use pipeline_parallel=1 or no offload"),
         (config.compile_decode not in (None, False), f"compile_decode={config.compile_decode!r}",
@@ -130,8 +126,8 @@ class PipelineInferenceEngine(InferenceEngine):
         self.peers = None  # the stages' tensor ranks (if any) are self.stages' workers
         self.weight_offload = None
         layouts = plan_stages(model, cfg.pipeline_parallel)  # refusals before any spawn
-        if cfg.tensor_parallel > 1:  # heads / MLP rows divisible, family supported
-            check_shardable(model, cfg.tensor_parallel)
+        if cfg.tensor_parallel > 1:  # heads / MLP rows / quantization groups divisible
+            check_shardable(model, cfg.tensor_parallel, cfg.quantization)
         source = checkpoint_source(model)
         dtype = parse_dtype(cfg.dtype)
         self.stages = PipelineStages.spawn(

@@ -63,6 +63,9 @@ class StageTimes:
     busy_s: float  # the window less the time spent waiting for input
     window_s: float  # from the reset to the end of the last micro-batch after it
     num_batches: int
+    # The part of busy_s that needs no previous stage's output (a later stage preparing a
+    # micro-batch from its description before the hidden states arrive); 0 on stage 0.
+    prep_s: float = 0.0
 
     @property
     def idle_fraction(self) -> float:

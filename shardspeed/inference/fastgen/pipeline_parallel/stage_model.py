@@ -268,6 +268,36 @@ def _stage_weights(
         )
 
 
+def _quantize_row_parallel_whole(
+    model: RaggedModel, full: RaggedModel, adapter: StageAdapter, quantization: Any
+) -> dict[str, Any]:
+    """Have ``full`` quantize this stage's row-parallel weights whole as they load, as
+    ``tensor_parallel`` alone does (``loader._load`` with the same
+    :class:`~shardspeed.inference.quantization.tensor_parallel.RowParallelQuantizer`);
+    returns the map this rank's slices land in, by layer name (``prequantized``).
+
+    ``full`` maps the checkpoint and calls its ``row_parallel_hook`` with each whole
+    weight cast to *its* parameter's dtype and device, so it borrows the stage's own
+    layers (real parameters; the same names, ``layers.5.o_proj``) and the hook passes
+    on only the weights this stage holds (other stages' layers stay on the meta device).
+    """
+    from shardspeed.inference.quantization import WeightQuantConfig
+    from shardspeed.inference.quantization.tensor_parallel import RowParallelQuantizer
+
+    quantizer = RowParallelQuantizer(WeightQuantConfig.parse(quantization))
+    whole = getattr(full, adapter.layers)
+    for index, layer in getattr(model, adapter.layers).items():
+        whole[int(index)] = layer
+    held = {name for name, _ in model.named_parameters()}
+
+    def hook(name: str, tensor: torch.Tensor, pieces: list[range]) -> None:
+        if name in held:
+            quantizer(name, tensor, pieces)
+
+    full.row_parallel_hook = hook
+    return quantizer.slices
+
+
 @torch.no_grad()
 def _load_stage(
     model: RaggedModel, full: RaggedModel, weights: Iterator[tuple[str, torch.Tensor]]
@@ -303,7 +333,7 @@ def build_stage_model(
     """Stage ``layout``'s part of ``model_or_path`` on ``device``, loaded (and quantized
     as the one-process engine quantizes the same layers). With a sharded ``shard`` (pipeline
     x tensor parallel) it is that tensor rank's slices of the stage's layers, as
-    ``tensor_parallel`` alone slices them (:mod:`~.models.tp_shard`)."""
+    ``tensor_parallel`` alone slices (and quantizes) them (:mod:`~.models.tp_shard`)."""
     config, weights, source_dtype = describe_source(model_or_path)
     dtype = parse_dtype(dtype)
     if dtype is None:
@@ -318,8 +348,11 @@ def build_stage_model(
     _materialize(model, dtype, device)
     if layout.is_last:
         model.tie_weights()
+    prequantized = None  # a tensor rank's slices of row-parallel weights quantized whole
+    if shard.sharded and quantization is not None:
+        prequantized = _quantize_row_parallel_whole(model, full, adapter, quantization)
     _load_stage(model, full, weights)
-    _quantize(model, quantization, device)
+    _quantize(model, quantization, device, prequantized)
     stage = StageModel(model.eval(), adapter, layout, dtype)
     logger.info(
         "pipeline stage %d/%d%s: %s layers [%d, %d)%s%s, %.1f MiB of weights on %s as %s",

@@ -75,17 +75,20 @@ class StageTimer:
     def reset(self) -> None:
         self.start = self.last_end = time.perf_counter()
         self.wait_s = 0.0
+        self.prep_s = 0.0
         self.num_batches = 0
 
-    def add(self, end: float, wait_s: float) -> None:
-        """A micro-batch finished at ``end`` after waiting ``wait_s`` for its input."""
+    def add(self, end: float, wait_s: float, prep_s: float = 0.0) -> None:
+        """A micro-batch finished at ``end`` after waiting ``wait_s`` for its input, having
+        spent ``prep_s`` on work that needed no previous stage's output."""
         self.wait_s += wait_s
+        self.prep_s += prep_s
         self.last_end = end
         self.num_batches += 1
 
     def times(self) -> msg.StageTimes:
         window = self.last_end - self.start
-        return msg.StageTimes(window - self.wait_s, window, self.num_batches)
+        return msg.StageTimes(window - self.wait_s, window, self.num_batches, self.prep_s)
 
 
 def last_stage_result(
@@ -138,15 +141,17 @@ def _serve(conn: Connection, args: StageWorkerArgs) -> None:
         kind, payload = conn.recv()
         waited += time.perf_counter() - begin
         if kind == msg.BATCH:
+            received = time.perf_counter()
             chunks, modes = payload
             batch = msg.unpack_batch(chunks)
             ragged = build_ragged_batch(batch, block_size, device, connect.backend)
-            hidden = None  # the first stage embeds the batch itself
+            hidden, prep = None, 0.0  # the first stage embeds the batch itself
             if not layout.is_first:
                 hidden = torch.empty(
                     ragged.num_tokens, stage.hidden_size, dtype=stage.dtype, device=device
                 )
                 begin = time.perf_counter()
+                prep = begin - received  # overlaps the previous stages' work on this batch
                 group.recv([hidden], layout.stage - 1, 0).wait()  # [N, hidden]
                 waited += time.perf_counter() - begin
             out = stage.forward(ragged, kv_cache, hidden, head=where.reports_results)
@@ -157,7 +162,7 @@ def _serve(conn: Connection, args: StageWorkerArgs) -> None:
                 sends.append((group.send([out], layout.stage + 1, 0), out))
                 while len(sends) > MAX_PENDING_SENDS:
                     sends.popleft()[0].wait()
-            timer.add(time.perf_counter(), waited)
+            timer.add(time.perf_counter(), waited, prep)
             waited = 0.0
         elif kind == msg.COPY_BLOCK:
             kv_cache.copy_block(*payload)
