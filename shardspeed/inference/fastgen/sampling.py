@@ -105,11 +105,38 @@ def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
 
 
+_ARGMAX_CHUNK = 256
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[M, V]`` rows, the same indices (first maximum; ``nan``
+    counts as the maximum, as in ``argmax``), several times faster on CPU for a large ``V``:
+    ``amax`` (vectorised) over chunks of 256, ``argmax`` over the chunk maxima, then within
+    the chosen chunk; the ``V % 256`` tail is compared last (it wins only when strictly
+    greater, or ``nan`` where the rest has none)."""
+    rows, vocab = logits.shape
+    n = vocab // _ARGMAX_CHUNK
+    if n < 2 or logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    main = logits[:, : n * _ARGMAX_CHUNK].view(rows, n, _ARGMAX_CHUNK)
+    chunk_max = main.amax(dim=-1)  # [M, n]
+    chunk = chunk_max.argmax(dim=-1)  # [M]
+    picked = chunk * _ARGMAX_CHUNK + main[torch.arange(rows), chunk].argmax(dim=-1)
+    if n * _ARGMAX_CHUNK == vocab:
+        return picked
+    tail = logits[:, n * _ARGMAX_CHUNK :]
+    tail_arg = tail.argmax(dim=-1)  # [M]
+    tail_max = tail.gather(-1, tail_arg.unsqueeze(-1)).squeeze(-1)
+    best = chunk_max.gather(-1, chunk.unsqueeze(-1)).squeeze(-1)
+    tail_wins = (tail_max > best) | (tail_max.isnan() & ~best.isnan())
+    return torch.where(tail_wins, n * _ARGMAX_CHUNK + tail_arg, picked)
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """``finite_logits(logits).argmax(-1)`` without the full copy: ``argmax`` already picks
     the first ``+inf`` (as the clamp to the largest finite value would) and leaves ``-inf``
     alone; only a row whose maximum is ``nan`` needs :func:`finite_logits`."""
-    chosen = logits.argmax(dim=-1)  # [M]
+    chosen = row_argmax(logits)  # [M]
     if torch.isnan(logits.gather(-1, chosen.unsqueeze(-1))).any():
         chosen = finite_logits(logits).argmax(dim=-1)
     return chosen.tolist()

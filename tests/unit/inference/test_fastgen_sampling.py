@@ -142,3 +142,28 @@ def test_greedy_tokens_equal_argmax_of_finite_logits() -> None:
     expected = finite_logits(logits).argmax(dim=-1).tolist()
     assert greedy_tokens(logits) == expected == [1, 1, 2, 2, 3]
     assert greedy_tokens(logits[:3]) == expected[:3]
+
+
+@pytest.mark.parametrize("vocab", [255, 512, 32000, 32003, 50257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax(vocab: int, dtype: torch.dtype) -> None:
+    """Chunked argmax = torch.argmax: first maximum, ties, +inf, nan (in the body or tail)."""
+    from shardspeed.inference.fastgen.sampling import row_argmax
+
+    gen = torch.Generator().manual_seed(vocab)
+    for case in range(8):
+        x = torch.randn(5, vocab, generator=gen)
+        if case in (1, 5):
+            x = x.round()  # many ties: the first maximum must win
+        if case == 2:
+            x[0, [7, vocab - 1]] = float("nan")
+        if case == 3:
+            x[1, vocab - 1] = float("nan")  # nan only in the tail
+        if case == 4:
+            x[2, [vocab // 2, vocab - 1]] = float("inf")
+        if case == 6:
+            x[:, -1] = x.max() + 1  # the tail's maximum wins
+        if case == 7:
+            x[3, [3, vocab - 1]] = x[3].max() + 1  # tie between body and tail: body first
+        y = x.to(dtype)
+        assert torch.equal(row_argmax(y), y.argmax(-1)), (case, vocab, dtype)
