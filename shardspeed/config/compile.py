@@ -22,14 +22,15 @@ from shardspeed.config.base import ConfigModel, Int
 
 
 class CompileConfig(ConfigModel):
-    """``compile``: compile the model's forward inside the engine (stages 0-2)."""
+    """``compile``: compile the model's forward inside the engine (per unit at ZeRO-3)."""
 
     json_key = "compile"
 
     enabled: bool = Field(
         False,
         description="Compile the model's forward with torch.compile when the engine is built "
-        "(ZeRO stages 0-2; falls back to eager with a warning if the model does not compile).",
+        "(at ZeRO-3 each unit's forward; falls back to eager with a warning if the model "
+        "does not compile).",
     )
     backend: str = Field(
         "inductor", description="torch.compile backend ('inductor', 'aot_eager', 'eager', ...)."

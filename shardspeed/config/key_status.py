@@ -437,17 +437,11 @@ KEY_STATUS: dict[str, KeyRule] = {
     ),
     **_used("runtime/engine.py (the clipping norm of expert groups)", "moe.grad_norm"),
     **_used(
-        "runtime/compile_step.py (torch.compile of the model's forward)",
+        "runtime/compile_step.py (torch.compile of the model's forward; at ZeRO-3 of each "
+        "unit's forward, runtime/compile_units.py)",
+        "compile.enabled",
         "compile.backend",
         "compile.kwargs",
-    ),
-    **_refused(
-        "compile.enabled",
-        "ZeRO-3's gather/release forward hooks are not made compatible with torch.compile "
-        "yet (they are not graph-visible ops)",
-        "true at zero_optimization.stage 0, 1 or 2",
-        "use ZeRO stage 0-2 with compile, or set compile.enabled to false at stage 3",
-        lambda value, config: not value or config.zero_optimization.stage < 3,
     ),
     **_refused(
         "compile.deepcompile",

@@ -9,8 +9,9 @@ What is compiled and why it keeps ZeRO correct (stages 0-2)::
 
 Compiling the *forward* (``nn.Module.compile``) leaves autograd's leaf nodes outside the
 graph, so the reducer's hooks fire exactly as in eager. ZeRO-3 gathers and releases
-parameters in module forward hooks, which would be traced into the graph: refused here
-(compiled autograd / graph-visible gathers are a later step).
+parameters in module forward hooks, which must not be traced into a graph: at stage 3 each
+unit's ``forward`` is compiled instead and the hooks stay eager around it
+(:mod:`shardspeed.runtime.compile_units`).
 
 Compilation is lazy (the first forward traces and compiles). If that fails on a model
 (an unsupported construct, a backend or C++ compiler error), the module falls back to
@@ -20,12 +21,17 @@ surfaces from the eager re-run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
+from shardspeed.runtime.compile_units import CompiledUnits, compile_units
 from shardspeed.utils.logging import get_logger, log_dist
+
+if TYPE_CHECKING:
+    from shardspeed.zero.fetch import Unit
 
 logger = get_logger(__name__)
 
@@ -39,6 +45,8 @@ class CompileState:
     backend: str
     kwargs: dict[str, Any] = field(default_factory=dict)
     fallback_reason: str | None = None
+    # ZeRO-3: module class -> why its units fell back to eager (others may stay compiled)
+    unit_fallbacks: dict[str, str] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -74,18 +82,12 @@ class _GuardedCompiledCall:
             return self.module._call_impl(*args, **kwargs)
 
 
-def check_compilable(stage: int, schedule: Any = None, compiled_autograd: bool = False) -> None:
+def check_compilable(schedule: Any = None, compiled_autograd: bool = False) -> None:
     """Refuse what the compiled forward does not support, naming it and the fix.
 
     Raises:
-        ValueError: ZeRO stage 3, a DeepCompile ``schedule``, or compiled autograd.
+        ValueError: a DeepCompile ``schedule``, or compiled autograd.
     """
-    if stage >= 3:
-        raise ValueError(
-            f"compile: zero_optimization.stage={stage} is not supported with a compiled "
-            "forward (ZeRO-3's gather/release hooks are not graph-visible ops yet). Allowed: "
-            "stages 0, 1, 2. Fix: use stage 0-2, or leave the model uncompiled at stage 3."
-        )
     if schedule is not None:
         raise ValueError(
             f"compile: schedule={schedule!r} is a DeepCompile pass schedule; DeepCompile is "
@@ -99,6 +101,30 @@ def check_compilable(stage: int, schedule: Any = None, compiled_autograd: bool =
         )
 
 
+def _new_state(backend: Any, kwargs: dict[str, Any] | None) -> CompileState:
+    """The state of a compilation; ``backend`` in ``kwargs`` is dropped, as in DeepSpeed,
+    with a warning."""
+    kwargs = dict(kwargs or {})
+    if "backend" in kwargs:
+        logger.warning(
+            "compile: 'backend' in the compile kwargs (%r) is overridden by backend=%r.",
+            kwargs.pop("backend"),
+            backend,
+        )
+    return CompileState(backend=getattr(backend, "__name__", str(backend)), kwargs=kwargs)
+
+
+def _refused(backend: Any, kwargs: dict[str, Any], exc: Exception) -> ValueError:
+    """torch.compile refused an unknown backend name or keyword argument."""
+    import torch._dynamo
+
+    return ValueError(
+        f"compile: torch.compile(backend={backend!r}, **{kwargs!r}) was refused: {exc}. "
+        f"Allowed backends: {', '.join(torch._dynamo.list_backends())} (or a callable); "
+        "kwargs: torch.compile's keyword arguments. Fix compile.backend / compile.kwargs."
+    )
+
+
 def compile_module(
     module: nn.Module, backend: str = DEFAULT_BACKEND, kwargs: dict[str, Any] | None = None
 ) -> CompileState:
@@ -110,37 +136,38 @@ def compile_module(
         kwargs: further ``torch.compile`` keyword arguments (``backend`` in them is ignored,
             as in DeepSpeed, with a warning).
     """
-    kwargs = dict(kwargs or {})
-    if "backend" in kwargs:
-        logger.warning(
-            "compile: 'backend' in the compile kwargs (%r) is overridden by backend=%r.",
-            kwargs.pop("backend"),
-            backend,
-        )
-    state = CompileState(backend=getattr(backend, "__name__", str(backend)), kwargs=kwargs)
+    state = _new_state(backend, kwargs)
     try:
-        module.compile(backend=backend, **kwargs)
+        module.compile(backend=backend, **state.kwargs)
     except (RuntimeError, TypeError) as exc:  # an unknown backend name or keyword argument
-        import torch._dynamo
-
-        raise ValueError(
-            f"compile: torch.compile(backend={backend!r}, **{kwargs!r}) was refused: {exc}. "
-            f"Allowed backends: {', '.join(torch._dynamo.list_backends())} (or a callable); "
-            "kwargs: torch.compile's keyword arguments. Fix compile.backend / compile.kwargs."
-        ) from exc
+        raise _refused(backend, state.kwargs, exc) from exc
     module._compiled_call_impl = _GuardedCompiledCall(module, module._compiled_call_impl, state)
     log_dist(f"compile: model forward compiled lazily with torch.compile(backend={backend!r})")
     return state
 
 
+def compile_zero3_units(
+    units: Sequence[Unit], backend: Any = DEFAULT_BACKEND, kwargs: dict[str, Any] | None = None
+) -> tuple[CompileState, CompiledUnits]:
+    """ZeRO-3: compile each unit's forward (hooks stay eager); see :mod:`compile_units`."""
+    state = _new_state(backend, kwargs)
+    try:
+        return state, compile_units(units, backend, state.kwargs, state)
+    except (RuntimeError, TypeError) as exc:  # an unknown backend name or keyword argument
+        raise _refused(backend, state.kwargs, exc) from exc
+
+
 class CompileApiMixin:
     """DeepSpeed's ``engine.compile()`` / ``engine.is_compiled``; expects ``module``,
-    ``stage`` and ``_config`` (whose ``compile`` block :meth:`_compile_from_config` reads)."""
+    ``stage``, ``sharding`` (its ``units`` at stage 3) and ``_config`` (whose ``compile``
+    block :meth:`_compile_from_config` reads)."""
 
     module: nn.Module
     stage: int
+    sharding: Any
     _config: Any
     compile_state: CompileState | None = None
+    compiled_units: CompiledUnits | None = None  # stage 3: the per-unit compiled forwards
 
     def _compile_from_config(self) -> None:
         """Compile the forward when the config's ``compile.enabled`` is true."""
@@ -157,11 +184,19 @@ class CompileApiMixin:
     ) -> None:
         """Compile the wrapped model's forward with ``torch.compile`` (DeepSpeed's method).
 
-        A second call is a no-op. Raises ``ValueError`` at ZeRO stage 3, with a DeepCompile
-        ``schedule``, with compiled autograd, or for a backend/keyword torch.compile refuses.
+        At ZeRO stage 3 each unit's forward is compiled and the gather/release hooks stay
+        eager (:mod:`shardspeed.runtime.compile_units`). A second call is a no-op. Raises
+        ``ValueError`` with a DeepCompile ``schedule``, with compiled autograd, for a
+        backend/keyword torch.compile refuses, or (stage 3) for a CUDA-graph ``mode``.
         """
-        check_compilable(self.stage, schedule, compiled_autograd_enabled)
+        check_compilable(schedule, compiled_autograd_enabled)
         if self.compile_state is not None:
+            return
+        if self.stage >= 3:
+            units = self.sharding.units
+            self.compile_state, self.compiled_units = compile_zero3_units(
+                units, backend, compile_kwargs
+            )
             return
         self.compile_state = compile_module(self.module, backend, compile_kwargs)
 

@@ -33,7 +33,6 @@ def test_compile_block_keys_parse() -> None:
     ("block", "stage", "words"),
     [
         ({"deepcompile": True}, 0, ["compile.deepcompile", "DeepCompile", "Fix"]),
-        ({"enabled": True}, 3, ["compile.enabled", "ZeRO-3", "stage 0, 1 or 2"]),
         ({"enabld": True}, 0, ["compile.enabld", "did you mean 'enabled'"]),
     ],
 )
@@ -42,6 +41,11 @@ def test_compile_block_refusals_name_the_key(block: dict, stage: int, words: lis
         load_config({**BASE, "compile": block, "zero_optimization": {"stage": stage}})
     for word in words:
         assert word in str(info.value)
+
+
+def test_compile_block_is_accepted_at_stage_3() -> None:
+    cfg = load_config({**BASE, "compile": {"enabled": True}, "zero_optimization": {"stage": 3}})
+    assert cfg.compile.enabled
 
 
 def test_deepcompile_knob_is_warned_about_by_name(caplog: pytest.LogCaptureFixture) -> None:

@@ -154,7 +154,6 @@ EXPECTED_REFUSED = {
     "tensor_parallel.tp.tp_size",
     "hybrid_engine.inference_tp_size",
     "comet.enabled",
-    "compile.enabled",
     "compile.deepcompile",
     "compression_training.weight_quantization.shared_parameters.quantizer_kernel",
     *(key for key, entry in UNMODELLED_KEYS.items() if entry.reject_when_enabled),
@@ -179,7 +178,7 @@ def test_aliases_and_legacy_names_resolve_to_registered_keys():
 
 def test_status_counts_and_refused_set_are_pinned():
     counts = {s: len(keys_with_status(s)) for s in KeyStatus}
-    assert counts == {KeyStatus.USED: 159, KeyStatus.REFUSED: 31, KeyStatus.IGNORED_KNOB: 103}
+    assert counts == {KeyStatus.USED: 160, KeyStatus.REFUSED: 30, KeyStatus.IGNORED_KNOB: 103}
     assert set(keys_with_status(KeyStatus.REFUSED)) == EXPECTED_REFUSED
     for path, rule in KEY_STATUS.items():
         assert rule.reason, path
@@ -236,7 +235,6 @@ REFUSED_VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "zero_optimization.compute_grad_norm": (False, {"zero_optimization": {"stage": 2}}),
     "zero_optimization.zenflow": ({"topk_ratio": 0.1}, {}),
     "tensor_parallel.tp.tp_size": (2, {}),
-    "compile.enabled": (True, {"zero_optimization": {"stage": 3}}),
     "compile.deepcompile": (True, {}),
     "hybrid_engine.inference_tp_size": (2, {}),
     "comet.enabled": (True, {}),
