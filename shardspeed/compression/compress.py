@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from shardspeed.compression.attention_heads import HeadCountSync, check_gqa_head_blocks
 from shardspeed.compression.conv import CompressedConv2d
 from shardspeed.compression.engine_hook import refuse_tensor_parallel
 from shardspeed.compression.linear import CompressedEmbedding, CompressedLinear
@@ -144,6 +145,9 @@ def init_compression(
             )
         student_initialization(inner, teacher_model, config)
     plans = plan_all(inner, config)
+    for plan in plans:
+        if plan.technique == HEAD_PRUNING:
+            check_gqa_head_blocks(inner, plan.module_names, plan.shared.num_heads)
     wrap_compressible(inner)
     for plan in plans:
         for name in plan.module_names:
@@ -176,7 +180,9 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     quantized in forward); sparse masks are multiplied in; row / head / channel pruning with
     ``related_modules`` removes the pruned rows, heads or channels here and the matching
     inputs of the related modules (without them, the pruned parts are zeroed). Attention
-    modules whose q/k/v lost heads get their head-count attributes updated.
+    modules whose q/k/v lost heads get their head-count attributes updated, and a Hugging
+    Face model's shared ``config`` its ``num_attention_heads`` / ``num_key_value_heads`` /
+    ``head_dim`` (so ``save_pretrained`` writes a loadable checkpoint).
 
     Under ZeRO stage 3 pass the engine: every rank gathers the whole weights (a
     collective), the engine is destroyed (its hooks removed) and the cleaned full module is
@@ -190,8 +196,10 @@ def redundancy_clean(model: nn.Module, deepspeed_config: Any, mpu: Any = None) -
     inner = _unwrap(model)
     if gather_zero3(model):
         model = inner  # the engine is destroyed: the module is a plain, full model now
+    heads = HeadCountSync()
     for plan in plan_all(inner, config):
-        fold_group(inner, plan)
+        fold_group(inner, plan, heads)
+    heads.apply(inner)
     return model
 
 

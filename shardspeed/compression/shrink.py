@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from shardspeed.compression.attention_heads import HeadCountSync
 from shardspeed.compression.matching import get_submodule
 from shardspeed.compression.plan import GroupPlan
 from shardspeed.config.compression import (
@@ -59,11 +60,16 @@ def _update_head_counts(model: nn.Module, qkv_name: str, num_heads: int, kept: i
         parent.all_head_size = qkv.out_features
 
 
-def fold_group(model: nn.Module, plan: GroupPlan) -> None:
-    """Fold ``plan``'s technique in each of its modules (and shrink related modules)."""
+def fold_group(model: nn.Module, plan: GroupPlan, heads: HeadCountSync | None = None) -> None:
+    """Fold ``plan``'s technique in each of its modules (and shrink related modules);
+    ``heads`` records the heads each HF attention kept (its config follows later)."""
     for target in plan.targets:
         reduce = bool(target.related)
         masks = [_fold(get_submodule(model, name), plan, None, reduce) for name in target.modules]
+        if plan.technique == HEAD_PRUNING and reduce and heads is not None:
+            for name, mask in zip(target.modules, masks, strict=True):
+                if mask is not None:
+                    heads.record(model, name, plan.shared.num_heads, int(mask.sum()))
         for related_names in target.related:
             if len(related_names) != len(masks):
                 raise ValueError(
