@@ -73,13 +73,10 @@ def test_tiny_compress_clean_serve(tmp_path):
         assert w["fp32_equal"], "pipeline fp32 differs from the cleaned model's greedy tokens"
         assert w["int_fp32_compute_equal"], f"int{bits} (fp32 compute) differs"
         assert len(w["reference"]) == 12
-    # int4 g32: every served weight is exactly the cleaned one (fp32 rounding of scale * q)
+    # every served weight is exactly the cleaned one (fp32 rounding of scale * q), o_proj
+    # included: it lost half its input columns after its per-row int8 scales were fixed, so
+    # rows whose largest level went with them are found on their grid from level 1
     assert max(report["widths"][4]["int_fp32_weight_diff"].values()) < 1e-6
-    int8 = report["widths"][8]["int_fp32_weight_diff"]
-    assert max(int8["qkv_proj"], int8["mlp.gate_up_proj"], int8["mlp.down_proj"]) < 1e-6
-    # o_proj lost half its input columns after its per-row int8 scales were fixed, so its
-    # rows' largest level is often gone and the loader rounds again (at most half a step
-    # of the new grid): see docs/benchmarks.md. Tighten to 1e-6 when the loader keeps it.
-    assert int8["o_proj"] <= 0.5 / 127 + 1e-6
+    assert max(report["widths"][8]["int_fp32_weight_diff"].values()) < 1e-6
     # the timed case (bf16 + torch's int4 kernel) generated its tokens; its speed is the bench's
     assert len(report["case"]["tokens"]) == 8 and report["case"]["tok_s"] > 0

@@ -137,24 +137,58 @@ def quantize_weight(
 
 
 def _symmetric_grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(q, scales)`` when every group of ``w`` ``(N, G, gs)`` already lies on a symmetric
-    ``bits`` grid ``q * s``, q in ``[-2**(bits-1), 2**(bits-1) - 1]`` (what weight
+    """``(q, scales)`` when ``w`` ``(N, G, gs)`` already lies on symmetric ``bits`` grids
+    ``q * s``, q in ``[-2**(bits-1), 2**(bits-1) - 1]``, one step per group (what weight
     quantization in training leaves, e.g. ``shardspeed.compression.redundancy_clean``);
-    else None. The step is the group's absmax over ``2**(bits-1)`` when the lowest level
-    is used (``-min > max``), else over ``2**(bits-1) - 1``; every value must sit within 15%
-    of a step of the grid: fp16 copies of grid values do (<= 2 * 2**-11 * 128 steps off),
-    bf16 copies and trained weights do not, and a weight that did by chance would still be
-    rounded closer than by the plain absmax rule (same or finer step).
+    else None.
+
+    A group is on a grid when every value sits within 15% of a step of it (fp16 copies of
+    grid values do: <= 2 * 2**-11 * 128 steps off; bf16 copies and trained weights do not).
+    Steps tried: the group's absmax over ``2**(bits-1)`` when the lowest level is used
+    (``-min > max``), else over ``2**(bits-1) - 1``. Where the extreme level is missing (a
+    row that lost columns to pruning after its scale was fixed) the group's largest level is
+    some ``j`` below it: once at least half of the groups are on their grids (the tensor is
+    clearly a quantized one), the others try ``absmax / j`` for ``j`` down to half the
+    levels. Groups found on no grid get the plain rule (absmax step, rounded), so the result
+    is never coarser than plain rounding, and an unquantized weight returns None.
     """
     half = float(2 ** (bits - 1))
-    absmax = w.abs().amax(-1)  # (N, G)
-    negative_extreme = -w.amin(-1) > w.amax(-1)  # (N, G): level -2**(bits-1) is used
-    scales = (absmax / torch.where(negative_extreme, half, half - 1)).clamp_min(_EPS)  # (N, G)
-    q = torch.round(w / scales[..., None])  # (N, G, gs)
-    on_grid = (q * scales[..., None] - w).abs() <= 0.15 * scales[..., None]
-    if not bool(on_grid.all()) or q.min() < -half or q.max() > half - 1:
-        return None
-    return q, scales
+    n, g, gs = w.shape
+    flat = w.reshape(n * g, gs)
+
+    def on_grid(values: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.round(values / scales[:, None])
+        near = (q * scales[:, None] - values).abs() <= 0.15 * scales[:, None]
+        return q, near.all(-1) & (q.amin(-1) >= -half) & (q.amax(-1) <= half - 1)
+
+    absmax = flat.abs().amax(-1)  # (NG,)
+    negative_extreme = -flat.amin(-1) > flat.amax(-1)  # level -2**(bits-1) is used
+    scales = (absmax / torch.where(negative_extreme, half, half - 1)).clamp_min(_EPS)
+    q, ok = on_grid(flat, scales)
+    if bool(ok.all()):
+        return q.reshape(n, g, gs), scales.reshape(n, g)
+    rest = (~ok).nonzero().squeeze(-1)
+
+    def try_level(rest: torch.Tensor, level: int) -> torch.Tensor:
+        """Groups of ``rest`` on the grid whose largest level is ``level``: taken; the others
+        are returned."""
+        step = (absmax[rest] / level).clamp_min(_EPS)
+        q_rest, ok_rest = on_grid(flat[rest], step)
+        found = rest[ok_rest]
+        q[found], scales[found] = q_rest[ok_rest], step[ok_rest]
+        return rest[~ok_rest]
+
+    rest = try_level(rest, int(half) - 1)  # a -2**(bits-1)+1 extreme read as -2**(bits-1)
+    if 2 * rest.numel() > ok.numel():
+        return None  # not a quantized tensor (or too few groups on a grid to tell)
+    for level in range(int(half) - 2, int(half) // 2 - 1, -1):
+        if rest.numel() == 0:
+            break
+        rest = try_level(rest, level)
+    if rest.numel():  # on no grid: absmax / qmax and rounding, as without a grid
+        scales[rest] = (absmax[rest] / (half - 1)).clamp_min(_EPS)
+        q[rest] = torch.round(flat[rest] / scales[rest, None]).clamp(-half, half - 1)
+    return q.reshape(n, g, gs), scales.reshape(n, g)
 
 
 def dequantize_weight(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

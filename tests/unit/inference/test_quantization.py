@@ -368,3 +368,23 @@ def test_init_inference_int8_dtype_quantizes_weights_and_computes_in_fp16():
         out = engine(ids)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out.float(), plain(ids).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_grid_weights_without_their_top_level_are_kept_exactly(bits: int) -> None:
+    """Rows quantized to a grid whose largest level was pruned away (columns removed after
+    the scale was fixed) still load exactly: the step is found from a lower level."""
+    torch.manual_seed(bits)
+    qmax = 2 ** (bits - 1) - 1
+    q = torch.randint(-qmax + 1, qmax, (8, 65)).float()
+    q[:, 0] = qmax  # every row's top level sits in column 0 ...
+    q[4:, 1] = -qmax  # ... rows 4-7 keep theirs in column 1
+    steps = torch.rand(8, 1) * 0.01 + 1e-3
+    w = (q * steps)[:, 1:].contiguous()  # ... and pruning removes column 0
+    w[:3, 3] = (qmax - 2) * steps[:3, 0]  # rows 0-2: largest remaining level qmax - 2
+    w[3] = 0.0  # an all-zero row too
+    got = dequantize_weight(quantize_weight(w, bits, None, True))
+    # exact up to the rounding of the recovered step (absmax / qmax vs the original step)
+    torch.testing.assert_close(got, w, rtol=1e-6, atol=0.0)
+    plain = w - dequantize_weight(quantize_weight(w.bfloat16().float(), bits, None, True))
+    assert plain.abs().max() > 1e-5  # (the check can fail: an off-grid copy is requantized)
