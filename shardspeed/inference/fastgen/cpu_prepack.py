@@ -137,6 +137,17 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
     return count
 
 
+def pack_worker_model(model: nn.Module, requested: bool | None, device: torch.device) -> int:
+    """Pack a model built outside the engine (a tensor / pipeline / expert-parallel worker
+    rank's, pipeline stage 0's, a draft model) as the engine packs its own: ``requested`` is
+    ``EngineConfig.cpu_prepack``; the weight dtype is the model's first floating parameter's."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dtype is None:
+        return 0
+    packed = resolve_prepack(requested, device, dtype, compiled=False, offloaded=False)
+    return prepack_linears(model, packed)
+
+
 def is_prepacked(module: Any) -> bool:
     """True when ``module``'s forward is the packed one."""
     return isinstance(getattr(module, "__dict__", {}).get("forward"), _PackedForward)

@@ -120,3 +120,22 @@ def test_serve_cli_flag() -> None:
     assert build_parser().parse_args(["m"]).cpu_prepack is None
     assert build_parser().parse_args(["m", "--cpu-prepack"]).cpu_prepack is True
     assert build_parser().parse_args(["m", "--no-cpu-prepack"]).cpu_prepack is False
+
+
+@needs_onednn
+@needs_bf16
+def test_worker_models_are_packed_like_the_engine() -> None:
+    """Tensor / pipeline / expert-parallel ranks and draft models: auto packs bf16, not
+    fp32; ``True`` packs fp32 too; ``False`` nothing."""
+    from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
+
+    cpu = torch.device("cpu")
+
+    def model(dtype: torch.dtype) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(dtype)
+
+    assert pack_worker_model(model(torch.bfloat16), None, cpu) == 2
+    assert pack_worker_model(model(torch.float32), None, cpu) == 0
+    assert pack_worker_model(model(torch.float32), True, cpu) == 2
+    assert pack_worker_model(model(torch.bfloat16), False, cpu) == 0
+    assert pack_worker_model(nn.ReLU(), None, cpu) == 0  # no parameters at all

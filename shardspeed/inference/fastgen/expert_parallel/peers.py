@@ -72,6 +72,7 @@ class ExpertParallelPeers(TensorParallelPeers):
         device: torch.device,
         quantization: Any = None,
         dispatch: str = "all_to_all",
+        cpu_prepack: bool | None = None,
     ) -> ExpertParallelPeers:
         """Start ranks 1..``ep_size - 1``, each loading its experts of ``source``."""
         devices = worker_devices(device, ep_size)
@@ -83,7 +84,7 @@ class ExpertParallelPeers(TensorParallelPeers):
                 ours, theirs = ctx.Pipe(duplex=True)
                 args = ExpertWorkerArgs(
                     ExpertPlacement(num_experts, ep_size, rank), source, dtype,
-                    str(devices[rank]), num_threads, quantization, dispatch,
+                    str(devices[rank]), num_threads, quantization, dispatch, cpu_prepack,
                 )  # fmt: skip
                 proc = ctx.Process(
                     target=expert_worker_main, args=(theirs, args), daemon=True,

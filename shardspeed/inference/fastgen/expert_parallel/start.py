@@ -82,5 +82,5 @@ def start_expert_parallel(
     dtype = parse_dtype(config.dtype)
     return ExpertParallelPeers.spawn_experts(
         source, num_experts, ep, dtype, device, config.quantization,
-        config.expert_parallel_dispatch,
+        config.expert_parallel_dispatch, config.cpu_prepack,
     )  # fmt: skip

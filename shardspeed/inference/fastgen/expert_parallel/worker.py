@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
 from shardspeed.inference.fastgen.expert_parallel.attach import attach_experts
 from shardspeed.inference.fastgen.expert_parallel.comm import GroupComm
 from shardspeed.inference.fastgen.expert_parallel.placement import ExpertPlacement
@@ -46,6 +47,7 @@ class ExpertWorkerArgs:
     num_threads: int
     quantization: Any = None
     dispatch: str = "all_to_all"  # see dispatch.DISPATCHES
+    cpu_prepack: bool | None = None  # EngineConfig.cpu_prepack
 
 
 def expert_worker_main(conn: Connection, args: ExpertWorkerArgs) -> None:
@@ -62,6 +64,7 @@ def _serve(conn: Connection, args: ExpertWorkerArgs) -> None:
         args.source, args.dtype, device, args.quantization,
         prepare=lambda m: attach_experts(m, args.placement, comm, args.dispatch),
     )  # fmt: skip
+    pack_worker_model(model, args.cpu_prepack, device)  # as rank 0's model is packed
     conn.send((msg.LOADED, None))
     kind, info = conn.recv()
     if kind == msg.STOP:

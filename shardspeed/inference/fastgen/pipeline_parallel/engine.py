@@ -38,6 +38,7 @@ import torch
 from shardspeed.inference.fastgen.attention import select_backend
 from shardspeed.inference.fastgen.block_pool import BlockPool
 from shardspeed.inference.fastgen.config import PIPELINE_SCHEDULES, EngineConfig
+from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
 from shardspeed.inference.fastgen.engine import InferenceEngine
 from shardspeed.inference.fastgen.kv_cache import KVCacheSpec, resolve_num_blocks
 from shardspeed.inference.fastgen.loader import check_shardable, checkpoint_source, parse_dtype
@@ -131,8 +132,9 @@ class PipelineInferenceEngine(InferenceEngine):
         source = checkpoint_source(model)
         dtype = parse_dtype(cfg.dtype)
         self.stages = PipelineStages.spawn(
-            source, layouts, dtype, self.device, cfg.quantization, cfg.tensor_parallel
-        )
+            source, layouts, dtype, self.device, cfg.quantization, cfg.tensor_parallel,
+            cfg.cpu_prepack,
+        )  # fmt: skip
         try:
             self._build(source, layouts, tokenizer)
         except BaseException:
@@ -145,6 +147,7 @@ class PipelineInferenceEngine(InferenceEngine):
             source, layouts[0], cfg.dtype, self.device, cfg.quantization, self.stages.shard
         )
         self.model = m = self.stage.model  # stage 0's part; shapes and limits are the model's
+        pack_worker_model(m, cfg.cpu_prepack, self.device)  # as every other rank's
         self.model_config = {"model_type": m.model_type}
         self.tokenizer = tokenizer
         self.max_seq_len = self._resolve_max_seq_len()

@@ -98,6 +98,7 @@ class PipelineStages:
         device: torch.device,
         quantization: Any = None,
         tp_size: int = 1,
+        cpu_prepack: bool | None = None,
     ) -> PipelineStages:
         """Start every rank but this one loading its layers of ``source`` (path or
         CheckpointSource): stages 1..P-1, and with ``tp_size > 1`` each stage's tensor ranks."""
@@ -111,7 +112,7 @@ class PipelineStages:
                 ours, theirs = ctx.Pipe(duplex=True)
                 args = StageWorkerArgs(
                     layouts[where.stage], source, dtype, str(devices[where.rank]), num_threads,
-                    quantization, where.tp_rank, tp_size,
+                    quantization, where.tp_rank, tp_size, cpu_prepack,
                 )  # fmt: skip
                 tp = f"tp{where.tp_rank}" if tp_size > 1 else ""
                 proc = ctx.Process(

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
 from shardspeed.inference.fastgen.kv_cache import KVCache
 from shardspeed.inference.fastgen.pipeline_parallel import messages as msg
 from shardspeed.inference.fastgen.pipeline_parallel.grid import GridRank, join_groups, tensor_shard
@@ -55,6 +56,7 @@ class StageWorkerArgs:
     quantization: Any = None
     tp_rank: int = 0  # this worker's tensor rank in its stage
     tp_size: int = 1  # tensor-parallel ranks per stage
+    cpu_prepack: bool | None = None  # EngineConfig.cpu_prepack
 
     @property
     def where(self) -> GridRank:
@@ -122,6 +124,7 @@ def _serve(conn: Connection, args: StageWorkerArgs) -> None:
     handle = GroupHandle()  # the stage's tensor group, joined after load
     shard = tensor_shard(where, handle)
     stage = build_stage_model(args.source, layout, args.dtype, device, args.quantization, shard)
+    pack_worker_model(stage.model, args.cpu_prepack, device)  # as stage 0's model is packed
     info = msg.StageInfo(stage.layer_bytes(), stage.total_bytes(), stage.hidden_size, stage.dtype)
     conn.send((msg.LOADED, info))
     kind, connect = conn.recv()

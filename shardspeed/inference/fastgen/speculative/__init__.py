@@ -46,6 +46,6 @@ def build_speculator(engine: InferenceEngine) -> SpeculativeDecoder | None:
 
         proposer = DraftModelProposer(
             config, engine.model, engine.kv_cache.spec, engine.block_pool.num_blocks,
-            engine.device, engine.config.attention_backend,
+            engine.device, engine.config.attention_backend, engine.config.cpu_prepack,
         )  # fmt: skip
     return SpeculativeDecoder(config, engine, proposer)

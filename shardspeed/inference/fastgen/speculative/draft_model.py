@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shardspeed.inference.fastgen.attention import select_backend
+from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
 from shardspeed.inference.fastgen.kv_cache import KVCacheSpec
 from shardspeed.inference.fastgen.kv_quant import make_kv_cache
 from shardspeed.inference.fastgen.loader import build_model
@@ -57,9 +58,11 @@ class DraftModelProposer:
         num_blocks: int,
         device: torch.device,
         attention_backend: str,
+        cpu_prepack: bool | None = None,
     ):
         dtype = config.draft_dtype if config.draft_dtype is not None else target_spec.dtype
         self.model, _ = build_model(config.model, dtype, device)
+        pack_worker_model(self.model, cpu_prepack, device)  # as the target is packed
         draft = self.model
         for name, value in (("kv_window", draft.kv_window), ("rope_recompute_len",
                             draft.rope_recompute_len)):  # fmt: skip

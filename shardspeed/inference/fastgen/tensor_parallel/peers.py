@@ -87,6 +87,7 @@ class TensorParallelPeers:
         dtype: torch.dtype | None,
         device: torch.device,
         quantization: Any = None,
+        cpu_prepack: bool | None = None,
     ) -> TensorParallelPeers:
         """Start ranks 1..``world_size - 1`` loading ``source`` (a path or CheckpointSource),
         quantized with ``quantization`` (a ``WeightQuantConfig`` or None)."""
@@ -98,7 +99,14 @@ class TensorParallelPeers:
             for rank in range(1, world_size):
                 ours, theirs = ctx.Pipe(duplex=True)
                 args = WorkerArgs(
-                    rank, world_size, source, dtype, str(devices[rank]), num_threads, quantization
+                    rank,
+                    world_size,
+                    source,
+                    dtype,
+                    str(devices[rank]),
+                    num_threads,
+                    quantization,
+                    cpu_prepack,
                 )
                 proc = ctx.Process(
                     target=worker_main, args=(theirs, args), daemon=True, name=f"fastgen-tp{rank}"

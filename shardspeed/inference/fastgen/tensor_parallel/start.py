@@ -38,5 +38,5 @@ def start_tensor_parallel(
     source = checkpoint_source(model_or_path)
     dtype = parse_dtype(config.dtype)
     return TensorParallelPeers.spawn(
-        source, config.tensor_parallel, dtype, device, config.quantization
+        source, config.tensor_parallel, dtype, device, config.quantization, config.cpu_prepack
     )

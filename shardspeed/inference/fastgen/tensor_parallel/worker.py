@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shardspeed.inference.fastgen.cpu_prepack import pack_worker_model
 from shardspeed.inference.fastgen.kv_cache import KVCache
 from shardspeed.inference.fastgen.loader import build_model
 from shardspeed.inference.fastgen.models.tp_shard import TensorShard
@@ -45,6 +46,7 @@ class WorkerArgs:
     device: str
     num_threads: int
     quantization: Any = None  # a WeightQuantConfig (picklable) or None
+    cpu_prepack: bool | None = None  # EngineConfig.cpu_prepack
 
 
 def worker_main(conn: Connection, args: WorkerArgs) -> None:
@@ -57,6 +59,7 @@ def _serve(conn: Connection, args: WorkerArgs) -> None:
     handle = GroupHandle()
     shard = TensorShard(args.rank, args.world_size, handle.all_reduce)
     model, _ = build_model(args.source, args.dtype, device, args.quantization, shard)
+    pack_worker_model(model, args.cpu_prepack, device)  # as rank 0's model is packed
     conn.send((msg.LOADED, None))
     kind, info = conn.recv()
     if kind == msg.STOP:
