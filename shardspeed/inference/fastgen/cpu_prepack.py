@@ -10,7 +10,10 @@ a 32000 x 384 bf16 LM head on one row 1.97 -> 0.28 ms, a 2048 x 384 projection o
 
 Numerics: in bf16 (and fp16) the packed product is bitwise equal to ``F.linear`` (the same
 kernel); in fp32 oneDNN's GEMM sums in another order than MKL's (relative differences
-about 1e-6), so fp32 packing is opt-in. The packed copy is an opaque oneDNN tensor beside
+about 1e-6, as between MKL runs with different thread counts). fp32 is packed by default on
+AVX-512 CPUs, where it was measured faster (offline 1.25x, batch-1 1.5x on a 31M Llama;
+docs/serving.md; every FastGen fp32 token test against HF ``generate`` passes with it), and
+opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. The packed copy is an opaque oneDNN tensor beside
 the parameter (weight memory is doubled); it is rebuilt whenever the parameter changes
 (its version counter or storage), so weights updated in place are never served stale.
 
@@ -47,9 +50,10 @@ def resolve_prepack(
 ) -> tuple[torch.dtype, ...]:
     """The weight dtypes to pack (empty: none) for ``EngineConfig.cpu_prepack``.
 
-    ``None`` (auto): bf16/fp16 weights on a CPU with oneDNN kernels for them, unless the decode path is compiled (Inductor
-    packs its own) or weights stream from an offload store. ``True`` also packs fp32 and
-    raises where packing cannot run; ``False``: never.
+    ``None`` (auto): bf16/fp16 weights on a CPU with oneDNN kernels for them, and fp32 on an
+    AVX-512 CPU, unless the decode path is compiled (Inductor packs its own) or weights
+    stream from an offload store. ``True`` packs every dtype and raises where packing cannot
+    run; ``False``: never.
     """
     if requested is not None and not isinstance(requested, bool):
         raise ValueError(
@@ -74,8 +78,8 @@ def resolve_prepack(
                 "Fix: leave cpu_prepack unset (None) or False."
             )
         return ()
-    if requested is None:  # only where F.linear runs the same oneDNN kernel (bitwise equal)
-        return tuple(d for d in _native_dtypes() if d == dtype)
+    if requested is None:  # bf16/fp16 where F.linear runs the same oneDNN kernel; fp32 measured
+        return tuple(d for d in (*_native_dtypes(), *_fp32_by_default()) if d == dtype)
     return _ALL_DTYPES
 
 
@@ -89,6 +93,12 @@ def _native_dtypes() -> tuple[torch.dtype, ...]:
     if getattr(ops, "_is_mkldnn_fp16_supported", lambda: False)():
         native.append(torch.float16)
     return tuple(native)
+
+
+def _fp32_by_default() -> tuple[torch.dtype, ...]:
+    """fp32 where packing was measured faster than MKL's ``F.linear``: AVX-512 CPUs."""
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    return (torch.float32,) if capability.startswith("AVX512") else ()
 
 
 class _PackedForward:
