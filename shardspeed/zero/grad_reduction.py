@@ -13,6 +13,13 @@ it, or None when every rank keeps the whole bucket (stage 0). It returns a
 :class:`Launched` whose ``out`` holds the *sum* over ranks once ``work`` completes: the
 whole bucket (``full=True``) or only this rank's slice. The reducer then divides by the
 post-factor and stores it.
+
+``work`` is a backend handle or a strategy's own (qgZ's two-stage
+:class:`~shardspeed.zero.zeropp.grads.QgzWork`) with ``wait()`` and ``is_completed()``.
+The reducer calls ``wait()`` at flush in launch order, the same on every rank, but asks
+``is_completed()`` (and then waits) at times that differ between ranks, so a handle that
+still has collectives to issue must report False and issue them only in ``wait()`` (or in
+a later ``launch``).
 """
 
 from __future__ import annotations

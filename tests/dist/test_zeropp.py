@@ -3,7 +3,8 @@
 * the quantized collectives stay within their element-wise error bounds
   (:func:`~shardspeed.zero.zeropp.quantize.error_bound`, qgZ's
   :func:`~shardspeed.zero.zeropp.grads.reduction_error_bound`), on 4 ranks posing as 2
-  hosts x 2 (``SHARDSPEED_HOST_ID``) and on one host;
+  hosts x 2 (``SHARDSPEED_HOST_ID``) and on one host; qgZ buckets launched back to back
+  (stage 2 chained at the next launch) equal one-at-a-time reductions bitwise;
 * hpZ alone is exact (it only changes where the backward gather reads) and its backward
   gathers run over the node group only;
 * qgZ's first reduced gradient is within the bound the received scales give;
@@ -62,19 +63,25 @@ def _collectives(seed: int) -> dict[str, Any]:
                 world_size=world, intra=groups.intra, intra_size=groups.intra_size,
                 inter=groups.inter, inter_size=groups.inter_size, bits=bits,
             )  # fmt: skip
-            launched = reduction.launch(
-                rows[rank].reshape(-1).clone(), (rank * shard, (rank + 1) * shard)
-            )
+            mine = (rank * shard, (rank + 1) * shard)
+            summed = reduction.reduce(rows[rank].reshape(-1).clone(), mine)
             bound = reduction_error_bound(rows, groups.intra_size, groups.inter_size, bits, 256)[
                 rank
             ]
-            err = (launched.out - exact).abs()
+            err = (summed - exact).abs()
             assert bool((err <= bound * 1.0001 + 1e-5).all()), float((err - bound).max())
             stages = torch.tensor(reduction.max_stage_bounds, dtype=torch.float64)
             comm.all_reduce(stages, op=dist.ReduceOp.MAX)
             runtime_bound = error_bound_from(stages.tolist(), groups.inter_size)
             assert float(err.max()) <= runtime_bound * 1.0001 + 1e-5
             ratios[(hosts[-1], bits)] = (float((err / bound).max()), groups.inter_size)
+            # overlapped: three buckets launched back to back (each launch starts the
+            # previous one's stage 2), waited in launch order = one at a time, bitwise
+            buckets = [rows[rank].reshape(-1) * (k + 1) for k in range(3)]
+            launched = [reduction.launch(b.clone(), mine) for b in buckets]
+            for b, one in zip(buckets, launched):
+                one.work.wait()
+                assert torch.equal(one.out, reduction.reduce(b.clone(), mine))
     os.environ.pop("SHARDSPEED_HOST_ID")
     # qwZ: a quantized gather, then (hpZ) the same weights from the secondary copy
     hpz = build_groups(None, 2, hierarchical=False)

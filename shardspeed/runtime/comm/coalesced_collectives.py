@@ -105,7 +105,7 @@ def all_to_all_quant_reduce(tensors: list[torch.Tensor], groups: Any = None) -> 
         chunk = _chunk(tensor.numel(), world)
         padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
         padded[: tensor.numel()].copy_(tensor.reshape(-1))
-        summed = reduction.launch(padded, (rank * chunk, (rank + 1) * chunk)).out
+        summed = reduction.reduce(padded, (rank * chunk, (rank + 1) * chunk))
         length = max(0, min(chunk, tensor.numel() - rank * chunk))
         out.append((summed[:length] / world).to(tensor.dtype))
     return out

@@ -26,13 +26,39 @@ the W source rows plus the stage-2 bound of each of the H partial-sum rows
 (:func:`reduction_error_bound`). int4: qmax 7, 1/14 of each block's largest magnitude per
 stage and source; int8: 1/254.
 
-The collectives run synchronously when the reducer launches the bucket, so unlike the
-default asynchronous reduce-scatter they do not overlap the rest of backward (overlapping
-stage 1 is possible: stage 2 must then start in the same order on every rank, at flush).
+Overlap with backward. :meth:`QuantizedReduction.launch` (called by the reducer from the
+grad hook that completes a bucket) quantizes the bucket, starts stage 1's two all-to-alls
+(codes, scales) with ``async_op=True`` and returns at once, like the default asynchronous
+reduce-scatter. Stage 2 needs stage 1's result, so it cannot start at launch; and where it
+starts is constrained, because every rank must issue its collectives in the same order
+(a collective is matched by its position in each group's sequence, not by its bucket).
+Whether a handle's collective has finished differs between ranks, so nothing is ever
+issued *because* something finished. Stage 2 of a bucket is issued at exactly two points,
+both reached in the same order on every rank:
+
+1. the next :meth:`~QuantizedReduction.launch` of the same reduction, right after that
+   bucket's own stage 1 is started: it waits for the previous bucket's stage 1,
+   dequantizes and sums it, and starts its stage 2. The reducer launches buckets in one
+   fixed global order on every rank, so the stage-2 calls made here are in that order too;
+2. :meth:`QgzWork.wait` of a bucket still in stage 1 (only the last bucket launched
+   through a reduction can be): the reducer's ``flush`` waits its in-flight buckets in
+   launch order on every rank.
+
+:meth:`QgzWork.is_completed` says False while a stage 2 is still to be issued, so the
+reducer's early completion of finished buckets (optimizer offload streams them to the
+host during backward), which does depend on per-rank timing, only ever waits handles whose
+collectives are all issued. With buckets 0..n of one reduction every rank therefore issues
+``s1(0) s1(1) s2(0) s1(2) s2(1) ... s1(n)`` during backward and ``s2(n)`` at flush (with
+one node: only the stage-1 calls). The numbers are those of the synchronous order (launch
+then wait each bucket): the same quantization of the same tensors and the same sums.
+Stage 2 carries the comms-logger tag of its own bucket, though it is issued while the next
+one launches. ``zero_optimization.overlap_comm: false`` makes the reducer launch every
+bucket at flush instead, so nothing overlaps backward.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +68,93 @@ from shardspeed.zero.grad_reduction import Launched
 from shardspeed.zero.zeropp.quantize import GRAD_BLOCK, Quantized, dequantize_rows, quantize_rows
 
 QGZ_BITS = 4
+
+
+@dataclass
+class _Exchange:
+    """One stage in flight: the two all-to-alls of a quantized ``(peers * rows, S)`` send,
+    into ``codes`` / ``scales``."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    works: list[Any]
+    numel: int
+    bits: int
+    block: int
+    peers: int
+    rows: int
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def finish(self) -> tuple[torch.Tensor, float]:
+        """Wait, dequantize what arrived and sum over the peers: (rows, S) fp32, and the
+        largest error bound of that sum (half a step of every source's block, added up)."""
+        for work in self.works:
+            work.wait()
+        got = dequantize_rows(Quantized(self.codes, self.scales, self.numel, self.bits, self.block))
+        bound = float(self.scales.view(self.peers, self.rows, -1).sum(dim=0).max()) / 2
+        return got.view(self.peers, self.rows, -1).sum(dim=0), bound  # (rows, S)
+
+
+class QgzWork:
+    """The handle of one launched qgZ reduction (the ``work`` of its :class:`Launched`).
+
+    ``wait()`` leaves this rank's summed shard in ``out``; ``is_completed()`` is True once
+    ``wait()`` would issue no collective and not block (module docstring: ordering).
+    """
+
+    def __init__(self, reduction: QuantizedReduction, out: torch.Tensor, tag: str | None) -> None:
+        self.reduction = reduction
+        self.out = out  # (S,) in the bucket's dtype: the summed shard after wait()
+        self.tag = tag
+        self.stage1: _Exchange | None = None
+        self.stage2: _Exchange | None = None
+        self.done = False
+
+    @property
+    def awaits_stage2(self) -> bool:
+        """Stage 1 is in flight and a stage 2 must follow it (not issued yet)."""
+        return self.stage1 is not None and self.reduction.nodes > 1
+
+    def is_completed(self) -> bool:
+        if self.done:
+            return True
+        if self.stage1 is not None:  # stage 2 (if any) is still to be issued: not done
+            return not self.awaits_stage2 and self.stage1.is_completed()
+        return self.stage2 is not None and self.stage2.is_completed()
+
+    @torch.no_grad()
+    def advance(self) -> None:
+        """Finish stage 1 and, across nodes, start stage 2 (a collective: only at the
+        points the module docstring lists). No-op once stage 1 is done."""
+        if self.stage1 is None:
+            return
+        partial, bound1 = self.stage1.finish()  # (H, S)
+        self.stage1 = None
+        self.reduction.note_bounds(bound1, 0.0)
+        if self.reduction.nodes > 1:
+            with comm.set_current_tag(self.tag or "qgz stage 2"):
+                self.stage2 = self.reduction.start_exchange(
+                    partial, self.reduction.nodes, 1, self.reduction.inter
+                )
+        else:
+            self._store(partial)
+
+    @torch.no_grad()
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.advance()
+        if self.stage2 is not None:
+            total, bound2 = self.stage2.finish()  # (1, S)
+            self.stage2 = None
+            self.reduction.note_bounds(0.0, bound2)
+            self._store(total)
+
+    def _store(self, total: torch.Tensor) -> None:
+        self.out.copy_(total.reshape(-1))  # fp32 sum, rounded to the bucket's dtype
+        self.done = True
 
 
 class QuantizedReduction:
@@ -76,47 +189,55 @@ class QuantizedReduction:
         # with their maxima over all ranks, ``nodes * stage1 + stage2`` bounds the error of
         # every reduced element (error_bound_from)
         self.max_stage_bounds = [0.0, 0.0]
+        self._awaiting_stage2: list[QgzWork] = []  # launched, stage 2 not yet issued
 
     @torch.no_grad()
     def launch(self, buf: torch.Tensor, shard: tuple[int, int] | None) -> Launched:
+        """Start the reduction of ``buf`` (stage 1, asynchronous) and the stage 2 of the
+        bucket launched before it; ``out`` holds the summed shard once ``work`` is waited."""
         if self.world_size == 1:
             return Launched(buf, None, full=True)
         if shard is None:  # every rank keeps the whole bucket: not a qgZ case
             work = comm.all_reduce(buf, group=self.intra, async_op=True)
             return Launched(buf, work, full=True)
         shard_numel = shard[1] - shard[0]
+        out = torch.empty(shard_numel, dtype=buf.dtype, device=buf.device)
+        handle = QgzWork(self, out, comm.current_tag())
         rows = buf.view(self.nodes, self.local, shard_numel)  # (H, L, S)
         # stage 1: to local rank l' the rows [:, l']: (L, H, S) -> L blocks of H rows
         send = rows.transpose(0, 1).reshape(self.local * self.nodes, shard_numel)
         if self.local > 1:
-            partial, bound1 = self._exchange(send, self.local, self.nodes, self.intra)  # (H, S)
+            handle.stage1 = self.start_exchange(send, self.local, self.nodes, self.intra)
         else:  # one rank per node: nothing to exchange (or quantize) within it
-            partial, bound1 = send.float(), 0.0
-        bound2 = 0.0
-        if self.nodes > 1:
-            total, bound2 = self._exchange(partial, self.nodes, 1, self.inter)  # (1, S)
-        else:
-            total = partial
-        stages = self.max_stage_bounds
-        self.max_stage_bounds = [max(stages[0], bound1), max(stages[1], bound2)]
-        out = total.reshape(shard_numel)
-        return Launched(out if out.dtype == buf.dtype else out.to(buf.dtype), None, full=False)
+            handle.stage2 = self.start_exchange(send, self.nodes, 1, self.inter)
+        for earlier in self._awaiting_stage2:  # launch order: the same on every rank
+            earlier.advance()
+        self._awaiting_stage2 = [handle] if handle.awaits_stage2 else []
+        return Launched(out, handle, full=False)
 
-    def _exchange(
-        self, send: torch.Tensor, peers: int, rows: int, group: Any
-    ) -> tuple[torch.Tensor, float]:
-        """Quantize ``send`` (peers * rows, S), all-to-all ``rows`` rows to each peer,
-        dequantize what arrives and sum over the peers: (rows, S) fp32, and the largest
-        error bound of that sum (half a step of every source's block, added up)."""
+    def reduce(self, buf: torch.Tensor, shard: tuple[int, int]) -> torch.Tensor:
+        """The summed shard now: :meth:`launch` and wait (for callers outside the reducer)."""
+        launched = self.launch(buf, shard)
+        if launched.work is not None:
+            launched.work.wait()
+        return launched.out
+
+    def start_exchange(self, send: torch.Tensor, peers: int, rows: int, group: Any) -> _Exchange:
+        """Quantize ``send`` (peers * rows, S) and start the all-to-alls that send ``rows``
+        rows to each peer."""
         q = quantize_rows(send, self.bits, self.block)
         codes = torch.empty_like(q.codes)
         scales = torch.empty_like(q.scales)
-        comm.all_to_all_single(codes, q.codes, group=group)
-        comm.all_to_all_single(scales, q.scales, group=group)
+        works = [
+            comm.all_to_all_single(codes, q.codes, group=group, async_op=True),
+            comm.all_to_all_single(scales, q.scales, group=group, async_op=True),
+        ]
         self.bytes_sent += q.nbytes()
-        got = dequantize_rows(Quantized(codes, scales, q.numel, q.bits, q.block))
-        bound = float(scales.view(peers, rows, -1).sum(dim=0).max()) / 2
-        return got.view(peers, rows, -1).sum(dim=0), bound  # (rows, S)
+        return _Exchange(codes, scales, works, q.numel, q.bits, q.block, peers, rows)
+
+    def note_bounds(self, stage1: float, stage2: float) -> None:
+        stages = self.max_stage_bounds
+        self.max_stage_bounds = [max(stages[0], stage1), max(stages[1], stage2)]
 
 
 def error_bound_from(stage_bounds: list[float], nodes: int) -> float:
