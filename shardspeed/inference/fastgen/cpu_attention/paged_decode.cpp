@@ -6,9 +6,10 @@
 // them in place (no gathered copy of the blocks), accumulates in fp32 whatever the storage
 // type (fp32, bf16, fp16), and writes the output in the query's type.
 //
-// Work item = (sequence, KV head): the query heads that share a KV head (GQA) are computed
-// together, so each key and value row is converted to fp32 once. Items are spread over
-// torch's intra-op threads (at::parallel_for).
+// Work item = (sequence, its KV heads; single KV heads when there are few sequences): the
+// query heads that share a KV head (GQA) are computed together, so each key and value row
+// is read and converted to fp32 once. Items are spread over torch's intra-op threads
+// (at::parallel_for).
 //
 // Per item:  s[r, p] = scale * <q_r, k_p>          (optionally softcap * tanh(s / softcap))
 //            w[r, p] = exp(s[r, p] - max_p s[r, p]) / sum_p exp(...)
@@ -136,17 +137,24 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const float fscale = static_cast<float>(scale);
   const float fcap = static_cast<float>(softcap);
 
-  at::parallel_for(0, num_seqs * num_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(rep * head_dim), row(head_dim), acc(rep * head_dim);
+  // Work item = (sequence, a run of `group` consecutive KV heads). With enough sequences a
+  // run is every KV head: each key / value row (all heads side by side) is then read once,
+  // whole cache lines, by one thread. With few sequences (batch-1 decode) items are single
+  // heads so that every thread gets work.
+  const int64_t group = num_seqs >= 2 * at::get_num_threads() ? num_kv : 1;
+  const int64_t runs = num_kv / group;
+  at::parallel_for(0, num_seqs * runs, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = group * rep;  // query heads of one item
+    std::vector<float> qf(rows * head_dim), row(head_dim), acc(rows * head_dim), inv_sum(rows);
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t g = item / num_kv, h = item % num_kv;
+      const int64_t g = item / runs, h0 = (item % runs) * group;
       const int64_t ctx = lens[g];
       const int64_t first = (window > 0 && ctx > window) ? ctx - window : 0;
       const int64_t n = ctx - first;
-      scores.resize(static_cast<size_t>(rep * n));
-      const int64_t q_row = g * num_heads + h * rep;  // first query head of this KV head
-      for (int64_t r = 0; r < rep; ++r) {
+      scores.resize(static_cast<size_t>(rows * n));
+      const int64_t q_row = g * num_heads + h0 * rep;  // first query head of this item
+      for (int64_t r = 0; r < rows; ++r) {
         load_float<T>(qp + (q_row + r) * head_dim, qf.data() + r * head_dim, head_dim);
       }
       const int64_t* blocks = table + g * max_blocks;
@@ -155,21 +163,22 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         const int64_t base = blocks[p / block_size] * block_size;
         const int64_t stop = std::min(ctx, (p / block_size + 1) * block_size);
         for (; p < stop; ++p) {
-          const int64_t slot = base + p % block_size;
-          load_float<T>(kp + (slot * num_kv + h) * head_dim, row.data(), head_dim);
+          const T* key = kp + ((base + p % block_size) * num_kv + h0) * head_dim;
           float* col = scores.data() + (p - first);
-          for (int64_t r = 0; r < rep; ++r) {
-            col[r * n] = dot(qf.data() + r * head_dim, row.data(), head_dim);
+          for (int64_t hh = 0; hh < group; ++hh) {
+            load_float<T>(key + hh * head_dim, row.data(), head_dim);
+            for (int64_t r = hh * rep; r < (hh + 1) * rep; ++r) {
+              col[r * n] = dot(qf.data() + r * head_dim, row.data(), head_dim);
+            }
           }
         }
       }
-      for (int64_t j = 0; j < rep * n; ++j) {
+      for (int64_t j = 0; j < rows * n; ++j) {
         float s = scores[j] * fscale;
         if (fcap > 0.f) s = std::tanh(s / fcap) * fcap;
         scores[j] = s;
       }
-      std::vector<float> inv_sum(rep);
-      for (int64_t r = 0; r < rep; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         float* s = scores.data() + r * n;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
@@ -186,14 +195,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         const int64_t base = blocks[p / block_size] * block_size;
         const int64_t stop = std::min(ctx, (p / block_size + 1) * block_size);
         for (; p < stop; ++p) {
-          const int64_t slot = base + p % block_size;
-          load_float<T>(vp + (slot * num_kv + h) * head_dim, row.data(), head_dim);
-          for (int64_t r = 0; r < rep; ++r) {
-            axpy(scores[r * n + (p - first)], row.data(), acc.data() + r * head_dim, head_dim);
+          const T* value = vp + ((base + p % block_size) * num_kv + h0) * head_dim;
+          for (int64_t hh = 0; hh < group; ++hh) {
+            load_float<T>(value + hh * head_dim, row.data(), head_dim);
+            for (int64_t r = hh * rep; r < (hh + 1) * rep; ++r) {
+              axpy(scores[r * n + (p - first)], row.data(), acc.data() + r * head_dim, head_dim);
+            }
           }
         }
       }
-      for (int64_t r = 0; r < rep; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         T* dst = op + (q_row + r) * head_dim;
         const float* src = acc.data() + r * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(src[d] * inv_sum[r]);
