@@ -259,9 +259,15 @@ def _build_and_load(
             )
         start = time.perf_counter()
         try:
+            # Build from a copy inside the build directory: torch's ninja file records the
+            # source path, so two checkouts of the same source (same key) would otherwise
+            # rebuild each other's binary on every switch.
+            local = build_dir / source.name
+            if not local.exists() or local.read_bytes() != source.read_bytes():
+                shutil.copyfile(source, local)
             module = load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(local)],
                 extra_cflags=cflags,
                 build_directory=str(build_dir),
                 verbose=False,
