@@ -50,7 +50,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -505,7 +504,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     timing = time_cases(args, report) if args.rounds > 0 else {}
     report["timing"] = timing
     report["timing_unit"] = "tokens per CPU-second" if args.cpu_time else "tokens per second"
-    cpu = _cpu_model() or platform.processor()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _bench_common import machine_description
+
+    cpu = machine_description()
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     print(
         f"\nCPU: {cpu}; threads {args.threads}; size {args.size}; "
@@ -536,16 +538,6 @@ def failed_checks(report: dict[str, Any]) -> list[str]:
         if not w["int_fp32_compute_equal"]:
             failed.append(f"{bits}-bit: int{bits} (fp32 compute) tokens != cleaned model's")
     return failed
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ Prints a markdown table (ms per layer call and the speed-up) and the CPU model.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -21,18 +22,10 @@ from shardspeed.inference.fastgen.attention import _torch_attention
 from shardspeed.inference.fastgen.kv_cache import KVCache, KVCacheSpec
 from shardspeed.inference.fastgen.ragged import _torch_metadata
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import machine_description  # noqa: E402
+
 CASES = [(8, 64, 256), (24, 30, 380), (64, 100, 1000)]  # (decodes, min ctx, max ctx)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _best_ms(fn, repeats: int, inner: int = 5) -> float:
@@ -56,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    print(f"CPU: {_cpu_model()}, {args.threads} thread(s), torch {torch.__version__}")
+    print(f"CPU: {machine_description()}, {args.threads} thread(s), torch {torch.__version__}")
     print("| dtype | decodes, context lengths | torch ms | cpu ms | speed-up |")
     print("|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
