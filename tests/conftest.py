@@ -34,6 +34,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build FastGen's JIT CPU kernels (attention, fused elementwise) before any test runs.
+
+    A first build takes up to a minute on a busy 2-core machine; it is cached on disk, so
+    doing it here keeps it out of whichever test would use a kernel first, e.g. a server
+    subprocess that must report its address within a deadline. A failed build is logged
+    and the engine falls back to torch ops, as in use.
+    """
+    from shardspeed.inference.fastgen import cpu_attention, cpu_fused
+
+    cpu_attention.kernel_available()
+    cpu_fused.kernel_available()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_distributed_pools():
     """Stop the warm multi-process worker pools when the session ends.

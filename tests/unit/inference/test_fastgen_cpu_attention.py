@@ -32,14 +32,25 @@ def _reference(q, k_cache, v_cache, table, lens, scale, window, softcap):
     ("dtype", "tol"), [(torch.float32, 2e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)]
 )
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(8, 2, 48), (4, 4, 64), (6, 1, 80)])
-def test_kernel_matches_dense_attention(dtype, tol, heads, kv_heads, head_dim) -> None:
+@pytest.mark.parametrize(
+    ("block", "context_lens"),
+    [
+        (16, [1, 16, 17, 45, 100]),
+        (8, [3, 9, 60, 31]),  # tiles cut by blocks smaller than a tile
+        (32, [33, 70, 600, 513, 512]),  # over 512 keys: the per-key loop beside the tiles
+    ],
+)
+def test_kernel_matches_dense_attention(
+    dtype, tol, heads, kv_heads, head_dim, block, context_lens
+) -> None:
     assert kernel_available()
     torch.manual_seed(0)
-    num_blocks, block = 40, 16
+    lens = torch.tensor(context_lens)
+    per_seq = -(-max(context_lens) // block)
+    num_blocks = per_seq + 8
     k = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
     v = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
-    lens = torch.tensor([1, 16, 17, 45, 100])
-    table = torch.stack([torch.randperm(num_blocks)[:7] for _ in lens])  # blocks in any order
+    table = torch.stack([torch.randperm(num_blocks)[:per_seq] for _ in lens])  # any order
     q = torch.randn(len(lens), heads, head_dim).to(dtype)
     scale = head_dim**-0.5
     for window, softcap in [(None, None), (10, None), (None, 20.0), (33, 5.0)]:

@@ -37,7 +37,7 @@ from shardspeed.inference.fastgen.models.config_check import Refusal
 from shardspeed.inference.fastgen.models.layer_stack import run_layers
 from shardspeed.inference.fastgen.models.layers import RMSNorm, softcap
 from shardspeed.inference.fastgen.models.moe import GatedMLP, MoESpec, SparseMoE
-from shardspeed.inference.fastgen.models.rope import RopeSpec, RotaryEmbedding, apply_rope
+from shardspeed.inference.fastgen.models.rope import RopeSpec, RotaryEmbedding, apply_rope_owned
 from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD, TensorShard, head_rows, take
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class DecoderLayer(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_owned(q, cos, sin), apply_rope_owned(k, cos, sin)  # q, k: ours
         o = paged_attention(
             q, k, v, kv_cache, layer, batch.slot_mapping, batch.attn,
             window=self.window, scale=self.scale, softcap=self.softcap,
@@ -166,8 +166,8 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(a)
             h = self.shard.reduce(self.mlp(self.pre_feedforward_layernorm(x)))
             return x + self.post_feedforward_layernorm(h)
-        x = x + a
-        return x + self.shard.reduce(self.mlp(self.post_attention_layernorm(x)))
+        x, h = self.post_attention_layernorm.add_forward(x, a)  # x + a, norm(x + a)
+        return x + self.shard.reduce(self.mlp(h))
 
 
 class DecoderModel(RaggedModel):

@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shardspeed.inference.fastgen import cpu_fused
+
 
 class RMSNorm(nn.Module):
     """RMS normalisation computed in fp32.
@@ -28,6 +30,26 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fusable(x):
+            return cpu_fused.rms_norm(x, self.weight, self.eps, self.offset)
+        return self._eager(x)
+
+    def add_forward(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + a, norm(x + a))``, the residual sum rounded to the dtype as eager does."""
+        if self._fusable(x) and self._fusable(a) and a.shape == x.shape:
+            return cpu_fused.add_rms_norm(x, a, self.weight, self.eps, self.offset)
+        s = x + a
+        return s, self.forward(s)
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return (
+            x.dim() == 2
+            and x.stride(-1) == 1
+            and x.dtype == self.weight.dtype
+            and cpu_fused.active(x)
+        )
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

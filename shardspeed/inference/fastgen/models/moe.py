@@ -28,7 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from shardspeed.inference.fastgen import cpu_fused
 from shardspeed.inference.fastgen.models.layers import activation
 
 # (block, x [N, hidden], expert ids [N, k], weights [N, k] fp32) -> routed + shared output
@@ -46,7 +48,10 @@ class GatedMLP(nn.Module):
         self.act = activation(act, act_field)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [N, inter]
+        gate_up = self.gate_up_proj(x)  # [N, 2 * inter]
+        if self.act is F.silu and gate_up.dim() == 2 and cpu_fused.active(gate_up):
+            return self.down_proj(cpu_fused.silu_mul(gate_up))  # one pass, eager's bits
+        gate, up = gate_up.chunk(2, dim=-1)  # each [N, inter]
         return self.down_proj(self.act(gate) * up)
 
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from shardspeed.inference.fastgen import cpu_fused
+
 if TYPE_CHECKING:
     from shardspeed.inference.fastgen.ragged import RaggedBatch
 
@@ -343,3 +345,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)  # [N, heads, rot_dim]
     out = x_rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+def apply_rope_owned(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` for an ``x`` the caller owns (a fresh projection output): on CPU
+    outside autograd it is rotated in place by the fused kernel, with the same bits."""
+    if (
+        x.dim() == 3
+        and x.stride(-1) == 1
+        and cos.dtype == x.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cpu_fused.active(x)
+    ):
+        return cpu_fused.rope_(x, cos, sin)
+    return apply_rope(x, cos, sin)
