@@ -99,8 +99,14 @@ def test_active_only_outside_autograd_and_when_enabled() -> None:
 
 def test_bad_environment_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDSPEED_FASTGEN_FUSED_CPU", "maybe")
-    with pytest.raises(ValueError, match="SHARDSPEED_FASTGEN_FUSED_CPU='maybe'"):
-        cpu_fused.active(torch.zeros(1, 4))
+    cpu_fused.set_enabled(None)  # the environment is read again at the next use
+    try:
+        with pytest.raises(ValueError, match="SHARDSPEED_FASTGEN_FUSED_CPU='maybe'"):
+            cpu_fused.active(torch.zeros(1, 4))
+        monkeypatch.setenv("SHARDSPEED_FASTGEN_FUSED_CPU", "0")
+        assert not cpu_fused.active(torch.zeros(1, 4))
+    finally:
+        cpu_fused.set_enabled(None)
 
 
 def _tiny(model_type: str, tmp_path) -> str:

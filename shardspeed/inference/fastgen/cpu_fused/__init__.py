@@ -39,20 +39,21 @@ def _module() -> ModuleType:
 
 def set_enabled(enabled: bool | None) -> None:
     """Switch the fused kernels on or off for this process (None: back to the default,
-    on unless ``SHARDSPEED_FASTGEN_FUSED_CPU=0``)."""
+    on unless ``SHARDSPEED_FASTGEN_FUSED_CPU=0``, read again at the next use)."""
     _state["enabled"] = enabled
 
 
 def _enabled() -> bool:
-    if _state["enabled"] is not None:
-        return bool(_state["enabled"])
-    value = os.environ.get(_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(
-            f"{_ENV}={value!r} is not understood; set it to 1 (fused CPU kernels, the "
-            "default) or 0 (eager torch ops)."
-        )
-    return value in ("1", "true", "on")
+    """:func:`set_enabled`'s choice, else the environment's (read once per process)."""
+    if _state["enabled"] is None:
+        value = os.environ.get(_ENV, "1").strip().lower()
+        if value not in ("0", "1", "false", "true", "off", "on"):
+            raise ValueError(
+                f"{_ENV}={value!r} is not understood; set it to 1 (fused CPU kernels, the "
+                "default) or 0 (eager torch ops)."
+            )
+        _state["enabled"] = value in ("1", "true", "on")
+    return bool(_state["enabled"])
 
 
 def kernel_available() -> bool:

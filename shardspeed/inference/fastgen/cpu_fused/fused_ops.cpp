@@ -7,18 +7,20 @@
 //   silu_mul(gate_up)                   silu(gate) * up of a fused [N, 2I] projection
 //
 // Every rounding step of the eager formulas is kept: each product and sum is rounded to
-// the tensor's dtype where torch rounds it, RMSNorm's row sums come from at::sum (torch's
-// summation order), and silu uses torch's own exp (SLEEF's Sleef_expf16_u10, exported by
-// libtorch_cpu) on the elements torch's AVX-512 kernel vectorises, glibc's expf on the tail
-// it computes scalar. On a CPU where torch runs its AVX-512 kernels the results are the
-// eager ops' bits.
+// the tensor's dtype where torch rounds it (round to nearest even, as c10's conversions),
+// RMSNorm's row sums come from at::sum (torch's summation order), and silu uses torch's own
+// exp (SLEEF's Sleef_expf16_u10, exported by libtorch_cpu) on the elements torch's AVX-512
+// kernel vectorises, glibc's expf on the tail it computes scalar. On a CPU where torch runs
+// its AVX-512 kernels the results are the eager ops' bits.
 //
-// Work is split over rows with torch's intra-op threads (at::parallel_for); a grain of
-// about 16k elements keeps decode-sized inputs on one thread.
+// With AVX-512 (F, BW, VL) the loops run on 16 floats at a time; otherwise a scalar loop
+// computes the same roundings. Work is split over rows with torch's intra-op threads
+// (at::parallel_for); a grain of about 16k elements keeps decode-sized inputs on one thread.
 
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SS_FUSED_VEC 1
 #include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);
 #endif
@@ -27,8 +29,10 @@ extern "C" __m512 Sleef_expf16_u10(__m512);
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -49,55 +53,142 @@ inline float round_to<float>(float v) {
   return v;
 }
 
+#if defined(SS_FUSED_VEC)
+// ---------------------------------------------------------------- 16-lane loads / stores
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// bf16 bits of each float, rounded to nearest even (NaN -> 0x7FC0), as c10::BFloat16 does.
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF));
+  const __m512i hi = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(hi, nan, _mm512_set1_epi32(0x7FC0));
+}
+
+template <typename T>
+struct Vec {  // no 16-lane path (double): the scalar loops run
+  static constexpr bool ok = false;
+};
+
+template <>
+struct Vec<float> {
+  static constexpr bool ok = true;
+  static __m512 load(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+  static void store(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+  static __m512 round(__m512 v) { return v; }
+};
+
+template <>
+struct Vec<c10::BFloat16> {
+  static constexpr bool ok = true;
+  static __m512 load(const c10::BFloat16* p, int64_t n) {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes(n), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static void store(c10::BFloat16* p, __m512 v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(bf16_bits(v)));
+  }
+  static __m512 round(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+  }
+};
+
+template <>
+struct Vec<c10::Half> {
+  static constexpr bool ok = true;
+  static __m512 load(const c10::Half* p, int64_t n) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p));
+  }
+  static void store(c10::Half* p, __m512 v, int64_t n) {
+    _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static __m512 round(__m512 v) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+#endif
+
 // ---------------------------------------------------------------------------- RMSNorm
 // Three phases: (1) the squares (and the residual sum) row by row; (2) their row sums by
 // at::sum, so the sum order and hence the scale are torch's own (eager RMSNorm is
 // `mean(x.pow(2))`, i.e. at::sum over the same [rows, hidden] buffer, then a division);
 // (3) the scaled, weighted output row by row.
 template <typename T>
+void norm_squares_row(const T* x, const T* a, T* s, float* sq, int64_t hidden) {
+  int64_t i = 0;
+#if defined(SS_FUSED_VEC)
+  if constexpr (Vec<T>::ok) {
+  for (; i < hidden; i += 16) {
+    const int64_t n = hidden - i;
+    __m512 v = Vec<T>::load(x + i, n);
+    if (a != nullptr) {  // residual add, rounded to T as torch's `x + a` is
+      v = Vec<T>::round(_mm512_add_ps(v, Vec<T>::load(a + i, n)));
+      Vec<T>::store(s + i, v, n);
+    }
+    _mm512_mask_storeu_ps(sq + i, lanes(n), _mm512_mul_ps(v, v));
+  }
+  }
+#endif
+  for (; i < hidden; ++i) {
+    float v = static_cast<float>(x[i]);
+    if (a != nullptr) {
+      s[i] = static_cast<T>(v + static_cast<float>(a[i]));
+      v = static_cast<float>(s[i]);
+    }
+    sq[i] = v * v;
+  }
+}
+
+template <typename T>
+void norm_output_row(const T* v_in, const T* w, T* out, float scale, float offset,
+                     int64_t hidden) {
+  int64_t i = 0;
+#if defined(SS_FUSED_VEC)
+  if constexpr (Vec<T>::ok) {
+  const __m512 sv = _mm512_set1_ps(scale);
+  const __m512 ov = _mm512_set1_ps(offset);
+  for (; i < hidden; i += 16) {
+    const int64_t n = hidden - i;
+    const __m512 x = _mm512_mul_ps(Vec<T>::load(v_in + i, n), sv);
+    const __m512 wv = Vec<T>::load(w + i, n);
+    // Gemma: x * (offset + w) in fp32, one cast; Llama: w * x.to(T), the product rounded
+    const __m512 o = offset != 0.0f ? _mm512_mul_ps(x, _mm512_add_ps(ov, wv))
+                                    : _mm512_mul_ps(wv, Vec<T>::round(x));
+    Vec<T>::store(out + i, o, n);
+  }
+  }
+#endif
+  for (; i < hidden; ++i) {
+    const float x = static_cast<float>(v_in[i]) * scale;
+    out[i] = offset != 0.0f ? static_cast<T>(x * (offset + static_cast<float>(w[i])))
+                            : static_cast<T>(static_cast<float>(w[i]) * round_to<T>(x));
+  }
+}
+
+template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, T* sum_out, const T* add, int64_t rows,
                    int64_t hidden, int64_t x_stride, int64_t a_stride, float eps, float offset,
-                   float* squares, const at::Tensor& squares_t) {
+                   const at::Tensor& squares) {
   const int64_t grain = row_grain(hidden);
-  // the input rows as floats: the residual sum when there is one, else x
-  auto row_value = [&](int64_t r, int64_t i) -> float {
-    return add != nullptr ? static_cast<float>(sum_out[r * hidden + i])
-                          : static_cast<float>(x[r * x_stride + i]);
-  };
+  float* sq = squares.data_ptr<float>();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* sq = squares + r * hidden;
-      if (add != nullptr) {  // residual add, rounded to T as torch's `x + a` is
-        const T* xr = x + r * x_stride;
-        const T* ar = add + r * a_stride;
-        T* sr = sum_out + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
-          sr[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(ar[i]));
-        }
-      }
-      for (int64_t i = 0; i < hidden; ++i) {
-        const float v = row_value(r, i);
-        sq[i] = v * v;
-      }
+      norm_squares_row<T>(x + r * x_stride, add != nullptr ? add + r * a_stride : nullptr,
+                          add != nullptr ? sum_out + r * hidden : nullptr, sq + r * hidden,
+                          hidden);
     }
   });
-  const at::Tensor sums = at::sum(squares_t, {1});  // [rows] fp32, torch's order
+  const at::Tensor sums = at::sum(squares, {1});  // [rows] fp32, torch's order
   const float* totals = sums.data_ptr<float>();
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float scale = 1.0f / std::sqrt(totals[r] / static_cast<float>(hidden) + eps);
-      T* o = out + r * hidden;
-      if (offset != 0.0f) {  // Gemma: (x * scale * (offset + w)) in fp32, one cast
-        for (int64_t i = 0; i < hidden; ++i) {
-          const float n = row_value(r, i) * scale;
-          o[i] = static_cast<T>(n * (offset + static_cast<float>(w[i])));
-        }
-      } else {  // Llama: w * (x * scale).to(T), each product rounded to T
-        for (int64_t i = 0; i < hidden; ++i) {
-          const float n = round_to<T>(row_value(r, i) * scale);
-          o[i] = static_cast<T>(static_cast<float>(w[i]) * n);
-        }
-      }
+      const T* v = add != nullptr ? sum_out + r * hidden : x + r * x_stride;
+      norm_output_row<T>(v, w, out + r * hidden, scale, offset, hidden);
     }
   });
 }
@@ -130,7 +221,7 @@ std::vector<at::Tensor> norm_impl(const at::Tensor& x, const c10::optional<at::T
         add.has_value() ? sum.data_ptr<scalar_t>() : nullptr,
         add.has_value() ? add->data_ptr<scalar_t>() : nullptr, rows, hidden, x.stride(0),
         add.has_value() ? add->stride(0) : 0, static_cast<float>(eps),
-        static_cast<float>(offset), squares.data_ptr<float>(), squares);
+        static_cast<float>(offset), squares);
   });
   if (add.has_value()) return {sum, out};
   return {out};
@@ -146,27 +237,45 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& a,
 }
 
 // ---------------------------------------------------------------------------- RoPE
+// eager: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T
+template <typename T>
+void rope_head(T* xh, const T* c, const T* s, int64_t half) {
+  int64_t i = 0;
+#if defined(SS_FUSED_VEC)
+  if constexpr (Vec<T>::ok) {
+  for (; i < half; i += 16) {
+    const int64_t n = half - i;
+    const __m512 x1 = Vec<T>::load(xh + i, n), x2 = Vec<T>::load(xh + half + i, n);
+    const __m512 a1 = Vec<T>::round(_mm512_mul_ps(x1, Vec<T>::load(c + i, n)));
+    const __m512 b1 = Vec<T>::round(
+        _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), Vec<T>::load(s + i, n)));
+    const __m512 a2 = Vec<T>::round(_mm512_mul_ps(x2, Vec<T>::load(c + half + i, n)));
+    const __m512 b2 = Vec<T>::round(_mm512_mul_ps(x1, Vec<T>::load(s + half + i, n)));
+    Vec<T>::store(xh + i, _mm512_add_ps(a1, b1), n);
+    Vec<T>::store(xh + half + i, _mm512_add_ps(a2, b2), n);
+  }
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = static_cast<float>(xh[i]);
+    const float x2 = static_cast<float>(xh[i + half]);
+    const float a1 = round_to<T>(x1 * static_cast<float>(c[i]));
+    const float b1 = round_to<T>(-x2 * static_cast<float>(s[i]));
+    const float a2 = round_to<T>(x2 * static_cast<float>(c[i + half]));
+    const float b2 = round_to<T>(x1 * static_cast<float>(s[i + half]));
+    xh[i] = static_cast<T>(a1 + b1);
+    xh[i + half] = static_cast<T>(a2 + b2);
+  }
+}
+
 template <typename T>
 void rope_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t rot,
                int64_t tok_stride, int64_t head_stride) {
-  const int64_t half = rot / 2;
   at::parallel_for(0, tokens, row_grain(heads * rot), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
-      const T* c = cos + n * rot;
-      const T* s = sin + n * rot;
       for (int64_t h = 0; h < heads; ++h) {
-        T* xh = x + n * tok_stride + h * head_stride;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = static_cast<float>(xh[i]);
-          const float x2 = static_cast<float>(xh[i + half]);
-          // eager: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to T
-          const float a1 = round_to<T>(x1 * static_cast<float>(c[i]));
-          const float b1 = round_to<T>(-x2 * static_cast<float>(s[i]));
-          const float a2 = round_to<T>(x2 * static_cast<float>(c[i + half]));
-          const float b2 = round_to<T>(x1 * static_cast<float>(s[i + half]));
-          xh[i] = static_cast<T>(a1 + b1);
-          xh[i + half] = static_cast<T>(a2 + b2);
-        }
+        rope_head<T>(x + n * tok_stride + h * head_stride, cos + n * rot, sin + n * rot,
+                     rot / 2);
       }
     }
   });
@@ -199,48 +308,45 @@ inline int64_t vector_span() {
   return sizeof(T) == 4 ? 32 : 64;
 }
 
-inline float silu_scalar(float g) { return g / (1.0f + std::exp(-g)); }
-
 template <typename T>
-void silu_mul_rows(const T* gu, T* out, int64_t rows, int64_t inter, int64_t in_stride) {
-  at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
-    std::vector<float> act(static_cast<size_t>(inter));
-    for (int64_t r = begin; r < end; ++r) {
-      const T* g = gu + r * in_stride;
-      const T* u = g + inter;
-      T* o = out + r * inter;
-      float* a = act.data();
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      const int64_t vec_end = inter - inter % vector_span<T>();
-      const __m512 one = _mm512_set1_ps(1.0f);
-      alignas(64) float lanes[16];
-      for (; i < vec_end; i += 16) {
-        for (int k = 0; k < 16; ++k) lanes[k] = static_cast<float>(g[i + k]);
-        const __m512 x = _mm512_load_ps(lanes);
-        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(a + i, _mm512_div_ps(x, _mm512_add_ps(one, e)));
-      }
+void silu_mul_row(const T* g, const T* u, T* o, int64_t inter) {
+  int64_t i = 0;
+#if defined(SS_FUSED_VEC)
+  if constexpr (Vec<T>::ok) {
+  const int64_t vec_end = inter - inter % vector_span<T>();
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i < vec_end; i += 16) {
+    const __m512 x = Vec<T>::load(g + i, 16);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    const __m512 act = Vec<T>::round(_mm512_div_ps(x, _mm512_add_ps(one, e)));
+    Vec<T>::store(o + i, _mm512_mul_ps(act, Vec<T>::load(u + i, 16)), 16);
+  }
+  }
 #endif
-      for (; i < inter; ++i) a[i] = silu_scalar(static_cast<float>(g[i]));
-      for (int64_t k = 0; k < inter; ++k) {
-        o[k] = static_cast<T>(round_to<T>(a[k]) * static_cast<float>(u[k]));
-      }
-    }
-  });
+  for (; i < inter; ++i) {
+    const float x = static_cast<float>(g[i]);
+    const float act = round_to<T>(x / (1.0f + std::exp(-x)));
+    o[i] = static_cast<T>(act * static_cast<float>(u[i]));
+  }
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  const int64_t stride = gate_up.stride(0);
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul",
-                                  [&] {
-                                    silu_mul_rows<scalar_t>(gate_up.data_ptr<scalar_t>(),
-                                                            out.data_ptr<scalar_t>(), rows,
-                                                            inter, gate_up.stride(0));
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+        const scalar_t* in = gate_up.data_ptr<scalar_t>();
+        scalar_t* o = out.data_ptr<scalar_t>();
+        at::parallel_for(0, rows, row_grain(inter), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            silu_mul_row<scalar_t>(in + r * stride, in + r * stride + inter, o + r * inter,
+                                   inter);
+          }
+        });
+      });
   return out;
 }
 
