@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -28,13 +29,16 @@ logger = get_logger(__name__)
 SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _PREFIX = "shardspeed_fastgen_fused"
 _ENV = "SHARDSPEED_FASTGEN_FUSED_CPU"
-_state: dict[str, bool | None] = {"enabled": None, "loaded": None}
+_state: dict[str, Any] = {"enabled": None, "loaded": None, "module": None}
 
 
 def _module() -> ModuleType:
-    from shardspeed.ops.cpu_adam.builder import load_extension
+    module = _state["module"]
+    if module is None:  # built or loaded once; later calls skip the builder's lock
+        from shardspeed.ops.cpu_adam.builder import load_extension
 
-    return load_extension(SOURCE, _PREFIX, "FastGen's fused CPU kernels")
+        module = _state["module"] = load_extension(SOURCE, _PREFIX, "FastGen's fused CPU kernels")
+    return module
 
 
 def set_enabled(enabled: bool | None) -> None:
@@ -72,12 +76,17 @@ def kernel_available() -> bool:
 
 def active(x: torch.Tensor) -> bool:
     """Whether a layer should use the fused kernels for ``x``: a CPU tensor, no autograd
-    graph to record, not being traced by ``torch.compile``, enabled, and the kernel loads."""
-    if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+    graph to record, not being traced by ``torch.compile``, enabled, and the kernel loads.
+
+    Called several times per layer per step, so the common answer costs a few attribute
+    reads: the switch and the build outcome are resolved once.
+    """
+    if not (_state["enabled"] and _state["loaded"]):
+        if not (_enabled() and kernel_available()):
+            return False
+    if not x.is_cpu or (x.requires_grad and torch.is_grad_enabled()):
         return False
-    if torch.compiler.is_compiling() or not _enabled():
-        return False
-    return kernel_available()
+    return not torch.compiler.is_compiling()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
