@@ -55,8 +55,14 @@ class Init(contextlib.ContextDecorator):
             fp16/bf16 block (fp32 for a config with neither), else the constructed dtype.
         mpu: a Megatron-style object whose ``get_data_parallel_group()`` gives the group.
 
-    ``zero_param_parallel_group``, ``sequence_data_parallel_group``, quantized weights and
-    ``param_swapper`` (NVMe) are not supported and raise ``ValueError``.
+        zero_quantized_weights: ZeRO++ qwZ for these parameters: the engine's stage-3
+            weight all-gathers of them are int8-quantized, as with the config's
+            ``zero_optimization.zero_quantized_weights`` (DeepSpeed ORs the two). Gathers
+            made before ``initialize`` (``GatheredParameters``) stay exact.
+
+    ``zero_param_parallel_group``, ``sequence_data_parallel_group``,
+    ``zero_quantized_nontrainable_weights`` and ``param_swapper`` (NVMe) are not supported
+    and raise ``ValueError``.
     """
 
     def __init__(
@@ -83,7 +89,6 @@ class Init(contextlib.ContextDecorator):
         _reject_unsupported(
             zero_param_parallel_group=zero_param_parallel_group,
             sequence_data_parallel_group=sequence_data_parallel_group,
-            zero_quantized_weights=zero_quantized_weights,
             zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights,
             param_swapper=param_swapper,
         )
@@ -91,6 +96,10 @@ class Init(contextlib.ContextDecorator):
             warning_once("zero.Init(config=...) is deprecated; use config_dict_or_path=...")
         cfg = _load_config(config_dict_or_path if config_dict_or_path is not None else config)
         self.dtype = _resolve_dtype(dtype, cfg)
+        zero_cfg = getattr(cfg, "zero_optimization", None)
+        self.quantized_weights = bool(zero_quantized_weights) or bool(
+            getattr(zero_cfg, "zero_quantized_weights", False)
+        )
         self.remote_device, self.pin_memory = _resolve_remote(remote_device, pin_memory, cfg)
         if not comm.is_initialized():
             comm.init_distributed()
@@ -151,6 +160,7 @@ class Init(contextlib.ContextDecorator):
                 comm_device=self.comm_device,
                 init_device=param.device,
                 init_dtype=param.dtype,
+                quantized_weights=self.quantized_weights,
             )
             dtype = self.dtype if self.dtype is not None and param.is_floating_point() else None
             partition_param(
@@ -184,7 +194,7 @@ def _reject_unsupported(**options: Any) -> None:
         elif name.endswith("group"):
             fix = "remove it; parameters are partitioned over the data-parallel group"
         else:
-            fix = "remove it (quantized ZeRO++ weights are not implemented)"
+            fix = "remove it (frozen weights stored quantized are not implemented)"
         raise ValueError(f"zero.Init({name}={value!r}) is not supported by ShardSpeed; {fix}.")
 
 

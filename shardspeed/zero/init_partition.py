@@ -40,6 +40,9 @@ class InitPartition:
     comm_device: torch.device  # where collectives on the pieces run (cuda for NCCL)
     init_device: torch.device  # where the parameter was constructed (re-initialisation runs there)
     init_dtype: torch.dtype  # the dtype it was constructed in
+    # zero.Init(zero_quantized_weights=True): the engine's stage-3 gathers of this parameter
+    # use qwZ even when the config does not set the key (DeepSpeed ORs the two)
+    quantized_weights: bool = False
 
     def piece_numel(self, numel: int) -> int:
         """Elements per rank: ``ceil(numel / world)`` (the last piece is zero-padded)."""

@@ -18,6 +18,7 @@ become qgZ's quantized all-to-alls.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.utils.logging import log_dist
 from shardspeed.zero.fetch import FetchCoordinator, Unit
 from shardspeed.zero.flat_buffer import FlatGroup, GatherSpec
 from shardspeed.zero.flat_slot import FlatBucket
-from shardspeed.zero.init_partition import full_numel, materialize_init_params
+from shardspeed.zero.init_partition import full_numel, init_state, materialize_init_params
 from shardspeed.zero.order_check import OrderCheck
 from shardspeed.zero.reducer import GradSlot, ReductionPolicy
 from shardspeed.zero.sharding import ShardingContext
@@ -162,7 +164,7 @@ class UnitSharding:
         self.persistent_flats: list[FlatGroup] = []
         self._slots: dict[int, FlatBucket] = {}  # id(flat) -> its reducer slot
         self._unit_of_slot: dict[int, int] = {}  # id(slot) -> unit id (-1: persistent)
-        self.zeropp_policy = ZeroPPPolicy.from_config(zc)
+        self.zeropp_policy = _with_init_qwz(ZeroPPPolicy.from_config(zc), model)
         self.zeropp = self.zeropp_policy.build(ctx.dp_group, ctx.dp_world_size)
         self.groups = self._build_groups(groups, model)
         check_on = os.environ.get("SHARDSPEED_ZERO3_ORDER_CHECK", "1") != "0"
@@ -342,3 +344,19 @@ class UnitSharding:
     def load_updates_masters(self) -> bool:
         """Loading gathers the units and writes back into shards and masters on exit."""
         return True
+
+
+def _with_init_qwz(policy: ZeroPPPolicy, model: nn.Module) -> ZeroPPPolicy:
+    """qwZ on when parameters were built under ``zero.Init(zero_quantized_weights=True)``
+    (DeepSpeed: the Init argument or the config key), logged once."""
+    if policy.quantized_weights:
+        return policy
+    states = (init_state(p) for p in model.parameters())
+    if not any(s is not None and s.quantized_weights for s in states):
+        return policy
+    log_dist(
+        "ZeRO++ qwZ on: the model was built under zero.Init(zero_quantized_weights=True) "
+        "(zero_optimization.zero_quantized_weights is not set)",
+        ranks=[0],
+    )
+    return dataclasses.replace(policy, quantized_weights=True)

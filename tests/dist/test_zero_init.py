@@ -301,13 +301,55 @@ def test_init_model_at_stage_2_is_gathered_and_external_params_work_at_stage_3()
         assert "ZeRO stage 2" in warnings[0] and "whole on each rank" in warnings[0]
 
 
+def _train_qwz(via: str) -> tuple[bool, dict[str, torch.Tensor]]:
+    """Mix at stage 3 with qwZ from the Init argument, the config key, or off."""
+    import shardspeed
+    from shardspeed import comm, zero
+
+    torch.manual_seed(3)
+    with zero.Init(zero_quantized_weights=via == "init"):
+        model = Mix()
+    zero_cfg = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if via == "config":
+        zero_cfg["zero_quantized_weights"] = True
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": zero_cfg,
+    }
+    engine, _, _, _ = shardspeed.initialize(model=model, config=config)
+    qwz = engine.sharding.zeropp_policy.quantized_weights
+    gen = torch.Generator().manual_seed(comm.get_rank())
+    for _ in range(2):
+        engine.backward(engine(torch.randn(4, 8, generator=gen)))
+        engine.step()
+    out = _gathered(model)
+    engine.destroy()
+    return qwz, out
+
+
+def _qwz_runs() -> dict[str, tuple[bool, dict[str, torch.Tensor]]]:
+    return {via: _train_qwz(via) for via in ("init", "config", "off")}
+
+
+def test_init_quantized_weights_turns_qwz_on_like_the_config_key() -> None:
+    """DeepSpeed ORs zero.Init(zero_quantized_weights=True) with the config key: the engine's
+    stage-3 gathers are quantized either way, with the same results."""
+    for runs in run_distributed(_qwz_runs, 2, timeout=90):
+        assert runs["init"][0] and runs["config"][0] and not runs["off"][0]
+        init, config, off = runs["init"][1], runs["config"][1], runs["off"][1]
+        for name in init:
+            assert torch.equal(init[name], config[name]), name
+        assert any(not torch.equal(init[n], off[n]) for n in init)  # quantization acted
+
+
 def test_unsupported_options_raise_value_errors() -> None:
     from shardspeed import zero
 
     cases = [
         ({"remote_device": "nvme"}, "offload_param"),
         ({"remote_device": "disk"}, "allowed: None"),
-        ({"zero_quantized_weights": True}, "zero_quantized_weights=True"),
+        ({"zero_quantized_nontrainable_weights": True}, "nontrainable_weights=True"),
         ({"sequence_data_parallel_group": object()}, "sequence_data_parallel_group"),
         ({"param_swapper": object()}, "param_swapper"),
         ({"dtype": torch.int8}, "floating-point dtype"),
