@@ -7,14 +7,17 @@ request generating exactly ``--tokens`` tokens (EOS ignored):
 
 * ``plain``: every request unconstrained;
 * ``mixed``: half of them constrained by a JSON schema (an array of at least 100 small
-  objects, so no constrained request finishes before ``--tokens``).
+  objects, so no constrained request finishes before ``--tokens``);
+* ``mixed_sync``: the same with the engine's mask prefetch off (every mask computed after
+  the forward, on the engine thread), for comparison.
 
 Both batches produce the same number of tokens in the same number of steps, so the ratio
 of their tokens/s is the masking overhead that the unconstrained requests pay. Rounds
 alternate plain / mixed; the median of the rounds is reported, with each round's number.
-On a shared, loaded machine the tokens/s of single rounds swing widely, so the time spent
-in the mask step (``apply_guides``, timed in place) is also reported as a share of the
-mixed batch's wall time: that share is the overhead, measured within the same run.
+On a shared, loaded machine the tokens/s of single rounds swing widely, so the time the
+engine thread spends in the mask step (waiting for the prefetched masks plus
+``apply_guides``, timed in place) is also reported as a share of the mixed batch's wall
+time, with its parts (``mask_split_share_of_wall_time``, see :func:`_time_mask_step`).
 
     python benchmarks/structured_bench.py --rounds 3
 """
@@ -81,22 +84,40 @@ def build_engine(vocab: int, tokenizer):
     return InferenceEngine.from_pretrained(model, tokenizer=tokenizer, device="cpu")
 
 
-MASK_SECONDS = [0.0]
+SECONDS = dict.fromkeys(("mask_step", "wait", "compute_now", "unpack", "worker_compute"), 0.0)
 
 
-def _timed_apply_guides() -> None:
-    """Time every call of the engine's mask step (accumulated in MASK_SECONDS)."""
-    import shardspeed.inference.fastgen.engine as engine_module
+def _timed(module, name: str, key: str) -> None:
+    """Accumulate the time of every call of ``module.name`` in ``SECONDS[key]``."""
+    inner = getattr(module, name)
 
-    inner = engine_module.apply_guides
-
-    def timed(logits, requests):
+    def timed(*args):
         start = time.perf_counter()
-        out = inner(logits, requests)
-        MASK_SECONDS[0] += time.perf_counter() - start
-        return out
+        try:
+            return inner(*args)
+        finally:
+            SECONDS[key] += time.perf_counter() - start
 
-    engine_module.apply_guides = timed
+    setattr(module, name, timed)
+
+
+def _time_mask_step(engine) -> None:
+    """Time the engine's mask step in place: ``mask_step`` is what the engine thread spends
+    in it after the forward: waiting for the prefetched masks (``wait``) plus
+    ``apply_guides``, which includes ``compute_now`` (masks computed on the engine thread)
+    and ``unpack`` (bits -> a float bias or bools; the rest is the fill).
+    ``worker_compute`` is llguidance's time on the prefetch thread, overlapped with the
+    forward."""
+    import shardspeed.inference.fastgen.engine as engine_module
+    import shardspeed.inference.fastgen.structured.masks as masks
+    import shardspeed.inference.fastgen.structured.prefetch as prefetch
+
+    _timed(masks, "compute_bitmask", "compute_now")
+    _timed(masks, "mask_bias", "unpack")  # CPU float32 logits
+    _timed(masks, "blocked_tokens", "unpack")  # other logits
+    _timed(prefetch, "fill_bitmask", "worker_compute")
+    _timed(engine_module, "apply_guides", "mask_step")
+    _timed(engine.mask_prefetch, "take", "wait")
 
 
 def run_batch(engine, prompts: list[str], constrained: list[bool], tokens: int) -> float:
@@ -136,15 +157,22 @@ def main() -> None:
     plain = [False] * len(prompts)
     mixed = [i % 2 == 1 for i in range(len(prompts))]
     run_batch(engine, prompts[:4], [False, True, False, True], 8)  # warm-up (and compile)
-    _timed_apply_guides()
-    rates: dict[str, list[float]] = {"plain": [], "mixed": []}
+    _time_mask_step(engine)
+    rates: dict[str, list[float]] = {"plain": [], "mixed": [], "mixed_sync": []}
     mask_share = []
+    split: dict[str, list[dict[str, float]]] = {"mixed": [], "mixed_sync": []}
     for _ in range(args.rounds):
         rates["plain"].append(run_batch(engine, prompts, plain, args.tokens))
-        MASK_SECONDS[0] = 0.0
-        start = time.perf_counter()
-        rates["mixed"].append(run_batch(engine, prompts, mixed, args.tokens))
-        mask_share.append(MASK_SECONDS[0] / (time.perf_counter() - start))
+        for kind in ("mixed", "mixed_sync"):  # masks prefetched during the forward, or not
+            engine.mask_prefetch.enabled = kind == "mixed"
+            SECONDS.update(dict.fromkeys(SECONDS, 0.0))
+            start = time.perf_counter()
+            rates[kind].append(run_batch(engine, prompts, mixed, args.tokens))
+            wall = time.perf_counter() - start
+            SECONDS["mask_step"] += SECONDS["wait"]
+            if kind == "mixed":
+                mask_share.append(SECONDS["mask_step"] / wall)
+            split[kind].append({k: v / wall for k, v in SECONDS.items()})
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {
         "vocab": vocab,
@@ -154,7 +182,12 @@ def main() -> None:
         "rounds_tok_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "median_tok_s": {k: round(v, 1) for k, v in med.items()},
         "mixed_over_plain": round(med["mixed"] / med["plain"], 4),
+        "mixed_sync_over_plain": round(med["mixed_sync"] / med["plain"], 4),
         "mask_share_of_mixed_wall_time": [round(x, 4) for x in mask_share],
+        "mask_split_share_of_wall_time": {
+            kind: {k: round(statistics.median(r[k] for r in rows), 4) for k in SECONDS}
+            for kind, rows in split.items()
+        },
         "loadavg": open("/proc/loadavg").read().split()[:3]
         if os.path.exists("/proc/loadavg")
         else None,

@@ -174,17 +174,18 @@ def test_tokenizer_without_eos_ends_at_grammar_end():
     model = tiny_llama(len(tokenizer) + 8)  # padded vocabulary: ids the tokenizer lacks
     engine = InferenceEngine.from_pretrained(model, tokenizer=tokenizer, device="cpu")
     assert engine.output_processor.eos_token_ids == set()
-    outs = engine.generate(
-        ["x"],
-        SamplingParams(
-            max_new_tokens=80,
-            temperature=1.0,
-            n=5,
-            seed=3,
-            structured_output=StructuredOutputParams(json=SCHEMAS[0]),
-        ),
+    params = SamplingParams(
+        max_new_tokens=80,
+        temperature=1.0,
+        n=5,
+        seed=3,
+        structured_output=StructuredOutputParams(json=SCHEMAS[0]),
     )
+    outs = engine.generate(["x"], params)
     for out in outs:
         assert max(out.output_token_ids) < len(tokenizer)  # neither padding nor virtual EOS
         jsonschema.validate(json.loads(out.text), SCHEMAS[0])
         assert out.finish_reason == "stop"
+    engine.mask_prefetch.enabled = False  # masks computed after the forward: same tokens
+    again = engine.generate(["x"], params)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in outs]

@@ -45,7 +45,7 @@ from shardspeed.inference.fastgen.sampling import sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
 from shardspeed.inference.fastgen.speculative import build_speculator
-from shardspeed.inference.fastgen.structured import GuideFactory, apply_guides
+from shardspeed.inference.fastgen.structured import GuideFactory, MaskPrefetcher, apply_guides
 from shardspeed.inference.fastgen.tensor_parallel import TensorParallelError, start_tensor_parallel
 from shardspeed.utils.logging import get_logger, warning_once
 
@@ -156,6 +156,7 @@ class InferenceEngine:
             eos.append(int(tok_eos))
         self.output_processor = OutputProcessor(tokenizer, eos, self.max_seq_len)
         self.guides = GuideFactory(tokenizer, m.vocab_size, eos)  # structured output
+        self.mask_prefetch = MaskPrefetcher()  # their masks computed while the forward runs
         self._requests: dict[str, Request] = {}  # unfinished requests by (sample) id
         self._unforked: dict[str, Request] = {}  # sample id -> request it forks from
         self._pending: list[RequestOutput] = []  # aborted outputs for the next step()
@@ -340,11 +341,13 @@ class InferenceEngine:
                 self._num_steps += 1
                 self._tokens_generated += appended
                 return outputs
+        self.mask_prefetch.submit(s.request for s in batch.sequences if s.needs_logits)
         logits, batch = self._execute(batch, outputs)  # drops sequences whose forward fails
         self.scheduler.commit(batch)
         logits, sampled = self._sampling_rows(logits, batch, outputs)  # [M, V], one per request
         logits, sampled = self._fork_samples(logits, sampled)  # n / best_of samples join here
-        logits = apply_guides(logits, sampled)  # structured output: disallowed ids -> -inf
+        masks = self.mask_prefetch.take()  # structured output: disallowed ids -> -inf
+        logits = apply_guides(logits, sampled, masks)
         tokens = self._sample(logits, sampled, outputs)  # None where sampling failed
         now = time.perf_counter()
         for row, (req, token) in enumerate(zip(sampled, tokens)):
@@ -585,6 +588,7 @@ class InferenceEngine:
             return
         self._is_shut_down = True
         try:
+            self.mask_prefetch.close()
             if self.weight_offload is not None:
                 self.weight_offload.close()
         finally:

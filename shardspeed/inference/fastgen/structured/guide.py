@@ -11,6 +11,8 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
 from shardspeed.inference.fastgen.structured.params import StructuredOutputParams
@@ -23,19 +25,37 @@ _MAX_CACHED_GRAMMARS = 256
 
 
 class Guide:
-    """The grammar state of one request (one sample of it)."""
+    """The grammar state of one request (one sample of it).
+
+    ``num_accepted`` counts the tokens it has taken (a mask computed at another count is
+    stale). While the engine's mask prefetcher computes this guide's next mask on its
+    worker thread (``in_flight``), llguidance holds the matcher borrowed: every method here
+    first waits for that computation (:meth:`settle`).
+    """
 
     def __init__(self, matcher: Any, factory: GuideFactory) -> None:
         self.matcher = matcher
         self.factory = factory
+        self.num_accepted = 0
+        self.in_flight: Future[Any] | None = None
+
+    def settle(self) -> None:
+        """Wait until no prefetched mask computation reads this guide's matcher."""
+        pending = self.in_flight
+        if pending is not None:
+            self.in_flight = None
+            futures.wait([pending])  # its outcome (or error) is the prefetcher's to report
 
     @property
     def is_finished(self) -> bool:
         """True when the grammar takes no more tokens (its output is complete)."""
+        self.settle()
         return bool(self.matcher.is_stopped())
 
     def accept(self, token: int) -> None:
         """Advance by the sampled ``token``; ``ValueError`` if the grammar rejects it."""
+        self.settle()
+        self.num_accepted += 1
         if not self.matcher.consume_token(int(token)):
             raise ValueError(
                 f"structured output: token {token} does not continue the grammar "
@@ -44,7 +64,10 @@ class Guide:
 
     def fresh(self) -> Guide:
         """A copy at this guide's state (for another sample of the same prompt)."""
-        return Guide(self.matcher.deep_copy(), self.factory)
+        self.settle()
+        copy = Guide(self.matcher.deep_copy(), self.factory)
+        copy.num_accepted = self.num_accepted
+        return copy
 
 
 class GuideFactory:
