@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -255,26 +256,32 @@ class Mix(nn.Module):
         return (self.layers[1](h) + nn.functional.linear(h, self.layers[0].weight)).pow(2).mean()
 
 
-def _train_mix(stage: int, use_init: bool) -> dict[str, torch.Tensor]:
+def _train_mix(
+    stage: int, use_init: bool, init_kwargs: dict | None = None, zero_extra: dict | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Mix trained 2 steps; (the engine's ZeRO++ policy at stage 3 else None, parameters)."""
     import shardspeed
     from shardspeed import comm, zero
 
     torch.manual_seed(3)
-    with zero.Init(enabled=use_init):
+    with zero.Init(enabled=use_init, **(init_kwargs or {})):
         model = Mix()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
+        "zero_optimization": {
+            "stage": stage, "stage3_param_persistence_threshold": 0, **(zero_extra or {})
+        },
+    }  # fmt: skip
     engine, _, _, _ = shardspeed.initialize(model=model, config=config)
+    policy = getattr(engine.sharding, "zeropp_policy", None)
     gen = torch.Generator().manual_seed(comm.get_rank())
     for _ in range(2):
         engine.backward(engine(torch.randn(4, 8, generator=gen)))
         engine.step()
     out = _gathered(model)
     engine.destroy()
-    return out
+    return policy, out
 
 
 def _other_stages() -> tuple[list, list[str]]:
@@ -286,7 +293,7 @@ def _other_stages() -> tuple[list, list[str]]:
     log = logging.getLogger("shardspeed.zero.init_partition")
     log.addHandler(handler)
     try:
-        runs = [(_train_mix(stage, False), _train_mix(stage, True)) for stage in (2, 3)]
+        runs = [(_train_mix(stage, False)[1], _train_mix(stage, True)[1]) for stage in (2, 3)]
     finally:
         log.removeHandler(handler)
     return runs, [r.getMessage() for r in records if r.levelno == logging.WARNING]
@@ -301,35 +308,16 @@ def test_init_model_at_stage_2_is_gathered_and_external_params_work_at_stage_3()
         assert "ZeRO stage 2" in warnings[0] and "whole on each rank" in warnings[0]
 
 
-def _train_qwz(via: str) -> tuple[bool, dict[str, torch.Tensor]]:
-    """Mix at stage 3 with qwZ from the Init argument, the config key, or off."""
-    import shardspeed
-    from shardspeed import comm, zero
-
-    torch.manual_seed(3)
-    with zero.Init(zero_quantized_weights=via == "init"):
-        model = Mix()
-    zero_cfg = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    if via == "config":
-        zero_cfg["zero_quantized_weights"] = True
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": zero_cfg,
-    }
-    engine, _, _, _ = shardspeed.initialize(model=model, config=config)
-    qwz = engine.sharding.zeropp_policy.quantized_weights
-    gen = torch.Generator().manual_seed(comm.get_rank())
-    for _ in range(2):
-        engine.backward(engine(torch.randn(4, 8, generator=gen)))
-        engine.step()
-    out = _gathered(model)
-    engine.destroy()
-    return qwz, out
-
-
 def _qwz_runs() -> dict[str, tuple[bool, dict[str, torch.Tensor]]]:
-    return {via: _train_qwz(via) for via in ("init", "config", "off")}
+    """Mix at stage 3 with qwZ from the Init argument, the config key, or off."""
+    runs = {}
+    for via in ("init", "config", "off"):
+        policy, out = _train_mix(
+            3, True, {"zero_quantized_weights": via == "init"},
+            {"zero_quantized_weights": True} if via == "config" else None,
+        )  # fmt: skip
+        runs[via] = (policy.quantized_weights, out)
+    return runs
 
 
 def test_init_quantized_weights_turns_qwz_on_like_the_config_key() -> None:
