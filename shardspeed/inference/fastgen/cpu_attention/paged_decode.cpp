@@ -256,6 +256,47 @@ inline void softmax_row(float* s, int64_t n, float scale, float softcap, float* 
   *inv_total = 1.f / total;
 }
 
+#if defined(__AVX512F__)
+// One tile of up to 16 consecutive keys (or values) of one sequence inside one block, as
+// fp32 rows for the heads h0 .. h0 + group: head hh's row j is at
+// `rows + hh * head_step + j * stride`.
+struct Tile {
+  const float* rows;
+  int64_t head_step, stride, count, stop;
+};
+
+// The tile starting at key p (the next tile's rows prefetched): converted into `buf`
+// ([group, 16, D]), or read in place for an fp32 cache when the tile has at least
+// `in_place_rows` keys (a reader of all 16 rows must not run past a short tile's block).
+template <typename T>
+Tile load_tile(const T* cache, const int64_t* blocks, int64_t p, int64_t ctx,
+               int64_t block_size, int64_t num_kv, int64_t h0, int64_t group, int64_t head_dim,
+               int64_t in_place_rows, float* buf) {
+  const int64_t row_elems = num_kv * head_dim;
+  const int64_t stop = std::min({ctx, (p / block_size + 1) * block_size, p + 16});
+  const int64_t nt = stop - p;
+  const T* first = cache + (blocks[p / block_size] * block_size + p % block_size) * row_elems +
+                   h0 * head_dim;
+  if (stop < ctx) {  // the next tile is in another block, which no prefetcher predicts
+    const int64_t next = blocks[stop / block_size] * block_size + stop % block_size;
+    for (int64_t j = 0; j < std::min<int64_t>(16, ctx - stop); ++j) {
+      prefetch_rows(cache + (next + j) * row_elems + h0 * head_dim,
+                    group * head_dim * static_cast<int64_t>(sizeof(T)));
+    }
+  }
+  if (std::is_same<T, float>::value && nt >= in_place_rows) {
+    return {reinterpret_cast<const float*>(first), head_dim, row_elems, nt, stop};
+  }
+  for (int64_t j = 0; j < nt; ++j) {  // each row read once, all heads of the item
+    for (int64_t hh = 0; hh < group; ++hh) {
+      load_float<T>(first + j * row_elems + hh * head_dim, buf + (hh * 16 + j) * head_dim,
+                    head_dim);
+    }
+  }
+  return {buf, 16 * head_dim, head_dim, nt, stop};
+}
+#endif
+
 // Keys per sequence up to which the AVX-512 path scores tiles of 16 keys (measured 1.2-2.5x
 // the per-key loop for 8-24 decodes of 30-380 keys); longer contexts keep the per-key
 // loop, which measured faster for 64 decodes of 100-1000 keys (DRAM-bound there).
@@ -308,38 +349,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         // time (rows of `tile` past the tile's keys hold stale finite values or zeros, whose
         // dot products are never stored)
         for (int64_t p = first; p < ctx;) {
-          const int64_t base = blocks[p / block_size] * block_size;
-          const int64_t stop = std::min({ctx, (p / block_size + 1) * block_size, p + 16});
-          const int64_t nt = stop - p;
-          const T* keys = kp + ((base + p % block_size) * num_kv + h0) * head_dim;
-          if (stop < ctx) {  // the next tile's rows of this item's heads
-            const int64_t next = blocks[stop / block_size] * block_size + stop % block_size;
-            const int64_t rows_next = std::min<int64_t>(16, ctx - stop);
-            for (int64_t j = 0; j < rows_next; ++j) {
-              prefetch_rows(kp + ((next + j) * num_kv + h0) * head_dim,
-                            group * head_dim * static_cast<int64_t>(sizeof(T)));
-            }
-          }
-          const bool direct = std::is_same<T, float>::value && nt == 16;  // rows read in place
-          if (!direct) {
-            for (int64_t j = 0; j < nt; ++j) {  // each key row read once, all heads of the item
-              for (int64_t hh = 0; hh < group; ++hh) {
-                load_float<T>(keys + j * num_kv * head_dim + hh * head_dim,
-                              tile.data() + (hh * 16 + j) * head_dim, head_dim);
-              }
-            }
-          }
+          const Tile t = load_tile<T>(kp, blocks, p, ctx, block_size, num_kv, h0, group,
+                                      head_dim, 16, tile.data());  // dots16 reads 16 rows
           for (int64_t hh = 0; hh < group; ++hh) {
-            const float* head_tile = direct
-                ? reinterpret_cast<const float*>(keys) + hh * head_dim
-                : tile.data() + hh * 16 * head_dim;
-            const int64_t stride = direct ? num_kv * head_dim : head_dim;
             for (int64_t r = hh * rep; r < (hh + 1) * rep; ++r) {
-              dots16(qf.data() + r * head_dim, head_tile, stride, head_dim, tile_scores);
-              std::copy(tile_scores, tile_scores + nt, scores.data() + r * n + (p - first));
+              dots16(qf.data() + r * head_dim, t.rows + hh * t.head_step, t.stride, head_dim,
+                     tile_scores);
+              std::copy(tile_scores, tile_scores + t.count, scores.data() + r * n + (p - first));
             }
           }
-          p = stop;
+          p = t.stop;
         }
       } else
 #endif
@@ -358,7 +377,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
               }
             }
           }
-      }
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         softmax_row(scores.data() + r * n, n, fscale, fcap, &inv_sum[r]);
@@ -367,38 +386,15 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 #if defined(__AVX512F__)
       if (n <= kMaxTiledContext) {
         for (int64_t p = first; p < ctx;) {  // the same tiles: value rows converted once
-          const int64_t base = blocks[p / block_size] * block_size;
-          const int64_t stop = std::min({ctx, (p / block_size + 1) * block_size, p + 16});
-          const int64_t nt = stop - p;
-          const T* values = vp + ((base + p % block_size) * num_kv + h0) * head_dim;
-          if (stop < ctx) {
-            const int64_t next = blocks[stop / block_size] * block_size + stop % block_size;
-            const int64_t rows_next = std::min<int64_t>(16, ctx - stop);
-            for (int64_t j = 0; j < rows_next; ++j) {
-              prefetch_rows(vp + ((next + j) * num_kv + h0) * head_dim,
-                            group * head_dim * static_cast<int64_t>(sizeof(T)));
-            }
-          }
-          const bool direct = std::is_same<T, float>::value;  // fp32 rows read in place
-          if (!direct) {
-            for (int64_t j = 0; j < nt; ++j) {
-              for (int64_t hh = 0; hh < group; ++hh) {
-                load_float<T>(values + j * num_kv * head_dim + hh * head_dim,
-                              tile.data() + (hh * 16 + j) * head_dim, head_dim);
-              }
-            }
-          }
+          const Tile t = load_tile<T>(vp, blocks, p, ctx, block_size, num_kv, h0, group,
+                                      head_dim, 1, tile.data());
           for (int64_t hh = 0; hh < group; ++hh) {
-            const float* head_tile = direct
-                ? reinterpret_cast<const float*>(values) + hh * head_dim
-                : tile.data() + hh * 16 * head_dim;
-            const int64_t stride = direct ? num_kv * head_dim : head_dim;
             for (int64_t r = hh * rep; r < (hh + 1) * rep; ++r) {
-              weighted_rows(scores.data() + r * n + (p - first), head_tile, stride, nt, head_dim,
-                            acc.data() + r * head_dim);
+              weighted_rows(scores.data() + r * n + (p - first), t.rows + hh * t.head_step,
+                            t.stride, t.count, head_dim, acc.data() + r * head_dim);
             }
           }
-          p = stop;
+          p = t.stop;
         }
       } else
 #endif
@@ -415,7 +411,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
               }
             }
           }
-      }
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* dst = op + (q_row + r) * head_dim;
