@@ -21,6 +21,8 @@ docs/serving.md).
     nice -n 19 python benchmarks/spec_trained.py --out runs/spec30 --threads 1 --skip-measure
     nice -n 19 python benchmarks/spec_trained.py --out runs/spec30 --train draft_distill --skip-measure
     python benchmarks/spec_trained.py --out runs/spec30 --skip-train --measure-threads 1
+    python benchmarks/spec_trained.py --out runs/spec30 --skip-train --measure-threads 1 \
+        --dtypes bfloat16 --ks 3,4 --draft-quantization none,int8,int4   # quantized drafts
 
 (``--measure-threads 2`` only on a quiet machine: with other jobs on 2 cores, two torch
 threads made single rounds 10-20x slower.)
@@ -75,6 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measure-threads", type=int, default=1)
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--ks", default="2,3,4,5")
+    p.add_argument(
+        "--draft-quantization",
+        default="none",
+        help="comma-separated speculative_config.quantization values for the draft "
+        "(none, int8, int4, int4-g128, ...); each is a row per draft and k",
+    )
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -279,15 +287,24 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def measure_dtype(args, out: Path, drafts: list[str], prompts, dtype: str) -> list[dict]:
     max_seq_len = args.prompt_len + args.new_tokens + 16
-    spec_names = [f"{d}:k={k}" for d in drafts for k in args.k_list]
+    quants = args.draft_quantization.split(",")
+    variants = [(d, q) for d in drafts for q in quants]  # (draft, quantization)
+
+    def label(d: str, q: str) -> str:
+        return d if q == "none" else f"{d} {q}"
+
+    spec_names = [f"{label(d, q)}:k={k}" for d, q in variants for k in args.k_list]
     # "<draft> alone": the draft decoding by itself, its cost relative to the target's
     names = ["target", *spec_names, *(f"{d} alone" for d in drafts)]
     engines = {"target": engine(out / "target", dtype, None, max_seq_len)}
     for d in drafts:
         engines[f"{d} alone"] = engine(out / d, dtype, None, max_seq_len)
+    for d, q in variants:
         for k in args.k_list:
             spec = {"model": str(out / d), "num_speculative_tokens": k}
-            engines[f"{d}:k={k}"] = engine(out / "target", dtype, spec, max_seq_len)
+            if q != "none":
+                spec["quantization"] = q
+            engines[f"{label(d, q)}:k={k}"] = engine(out / "target", dtype, spec, max_seq_len)
     for eng in engines.values():  # warm-up
         decode_all(eng, prompts[:1], 8)
     start = {n: vars(e.speculator.stats).copy() for n, e in engines.items() if e.speculator}

@@ -64,12 +64,13 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """Every single-token sequence of the step, for the ``"cpu"`` backend's one kernel call."""
+    """The ``"cpu"`` backend's one kernel call: every single-token sequence of the step, and
+    each token of a short chunk as its own row (see ``ragged._torch_metadata``)."""
 
     rows: torch.Tensor  # [S] rows of the ragged batch
     block_table: torch.Tensor  # [S, MB] int64 (unused entries are never read)
     context_lens: torch.Tensor  # [S] int64
-    all_rows: bool  # rows == arange(N): the step is decode-only
+    all_rows: bool  # rows == arange(N): no chunk needs SDPA this step
 
 
 @dataclass

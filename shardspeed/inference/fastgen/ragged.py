@@ -95,11 +95,21 @@ def group_decodes(context_lens: list[int], max_padding: float = 0.25) -> list[li
     return groups
 
 
+# The ``"cpu"`` backend attends chunks of up to this many tokens as decode rows (below).
+NATIVE_CHUNK_MAX_TOKENS = 6
+
+
 def _torch_metadata(
     batch: ScheduledBatch, block_size: int, device: torch.device, native_decodes: bool = False
 ) -> AttentionMetadata:
     """Prompt chunks, and decodes either grouped for padded SDPA or (``native_decodes``, the
-    ``"cpu"`` backend) all in one :class:`DecodeBatch`."""
+    ``"cpu"`` backend) all in one :class:`DecodeBatch`.
+
+    With ``native_decodes`` a chunk of at most :data:`NATIVE_CHUNK_MAX_TOKENS` tokens (a
+    speculative verify of ``[last, d1..dk]``, a draft's catch-up, a short prompt tail) joins
+    the kernel call as one decode row per token: token ``i`` of a chunk ending at context
+    ``ctx`` is a query over the first ``ctx - n + 1 + i`` keys, which is causal attention,
+    and saves the per-chunk gather and SDPA call (measured in docs/inference.md)."""
     meta = AttentionMetadata(backend="cpu" if native_decodes else "torch")
     decodes: list[tuple[int, int, list[int]]] = []  # (row, context_len, block_table)
     row = 0
@@ -108,6 +118,8 @@ def _torch_metadata(
         table = seq.block_table[: -(-ctx // block_size)]
         if n == 1:
             decodes.append((row, ctx, table))
+        elif native_decodes and n <= NATIVE_CHUNK_MAX_TOKENS:
+            decodes.extend((row + i, ctx - n + 1 + i, table) for i in range(n))
         else:
             mask = None
             if seq.start_position > 0:

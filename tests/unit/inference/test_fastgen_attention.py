@@ -25,6 +25,25 @@ def _dense(q, k, v):
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_mixed_chunks_and_decodes_match_dense_attention(backend: str):
+    _check_mixed_batches(backend)
+
+
+@pytest.mark.parametrize("native_chunk_max", [0, 4, 16])
+def test_cpu_backend_short_chunks_as_decode_rows(monkeypatch, native_chunk_max: int):
+    """The "cpu" backend attends chunks of up to NATIVE_CHUNK_MAX_TOKENS tokens as one kernel
+    row per token (causal by each row's context length); longer chunks keep SDPA."""
+    from shardspeed.inference.fastgen import ragged
+
+    monkeypatch.setattr(ragged, "NATIVE_CHUNK_MAX_TOKENS", native_chunk_max)
+    native_chunks, sdpa_chunks = _check_mixed_batches("cpu")
+    assert (native_chunks > 0) == (native_chunk_max > 1)
+    assert (sdpa_chunks > 0) == (native_chunk_max < 7)  # chunks have up to 7 tokens here
+
+
+def _check_mixed_batches(backend: str) -> tuple[int, int]:
+    """Chunked prompts and decodes of 5 sequences through the scheduler, each step's output
+    rows against dense attention; returns how many chunks (of > 1 token) were attended as
+    decode rows and how many through SDPA."""
     torch.manual_seed(0)
     H, H_KV, D, BS, EXTRA = 4, 2, 8, 4, 3
     prompt_lens = [11, 3, 17, 6, 9]
@@ -38,7 +57,7 @@ def test_mixed_chunks_and_decodes_match_dense_attention(backend: str):
         sched.add(r)
     cache = KVCache(KVCacheSpec(1, H_KV, D, BS, torch.float32), 32, torch.device("cpu"))
     got = [torch.zeros(n, H, D) for n in total]
-    steps = 0
+    steps = native_chunks = sdpa_chunks = 0
     while sched.has_unfinished():
         batch = sched.schedule()
         ragged = build_ragged_batch(batch, BS, torch.device("cpu"), backend)
@@ -51,6 +70,9 @@ def test_mixed_chunks_and_decodes_match_dense_attention(backend: str):
         k = torch.stack([ks[i][p] for i, p in rows])  # [N, H_kv, D]
         v = torch.stack([vs[i][p] for i, p in rows])
         out = paged_attention(q, k, v, cache, 0, ragged.slot_mapping, ragged.attn)
+        multi = sum(s.num_tokens > 1 for s in batch.sequences)
+        sdpa_chunks += len(ragged.attn.chunks)
+        native_chunks += multi - len(ragged.attn.chunks)
         for row, (i, p) in enumerate(rows):
             got[i][p] = out[row]
         sched.commit(batch)
@@ -64,6 +86,7 @@ def test_mixed_chunks_and_decodes_match_dense_attention(backend: str):
     assert steps > 6  # prompts were chunked and decodes mixed in
     for i in range(len(total)):
         torch.testing.assert_close(got[i], _dense(qs[i], ks[i], vs[i]), atol=1e-5, rtol=1e-5)
+    return native_chunks, sdpa_chunks
 
 
 def test_group_decodes_bounds_padding():

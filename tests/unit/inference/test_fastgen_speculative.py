@@ -71,6 +71,25 @@ def test_greedy_draft_model_is_token_identical_to_target_alone(name):
     assert engine.block_pool.num_used == 0  # every lookahead block came back
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4-g32"])
+def test_quantized_draft_is_token_identical_and_reads_quantized_weights(quantization):
+    """speculative_config.quantization quantizes the draft's linears only: the target's
+    output is unchanged, and the draft still agrees with it often."""
+    from shardspeed.inference.quantization.linear import QuantizedLinear
+
+    target, draft = _family("llama")
+    params = SamplingParams(max_new_tokens=20)
+    _, ref = _run(target, MIXED, params)
+    spec = {"model": draft, "num_speculative_tokens": 3, "quantization": quantization}
+    engine, got = _run(target, MIXED, params, speculative_config=spec)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
+    draft_linears = [m for m in engine.speculator.proposer.model.modules()
+                     if isinstance(m, QuantizedLinear)]  # fmt: skip
+    assert len(draft_linears) == 4  # its layer's qkv, o, gate_up, down (the head: skip_modules)
+    assert not any(isinstance(m, QuantizedLinear) for m in engine.runner.model.modules())
+    assert 0.0 < engine.speculator.stats.acceptance_rate < 1.0
+
+
 def test_greedy_ngram_token_identical_with_logprobs_and_stop_ids(tiny_llama, prompts):
     # a repetitive prompt makes prompt lookup propose; logprobs come from the verify rows
     loop = [5, 6, 7, 8, 9] * 6
@@ -180,6 +199,12 @@ def test_lookup_ngram_takes_the_longest_latest_full_match():
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
           "prompt_lookup_max": 2}, r"prompt_lookup_min=4 is above prompt_lookup_max=2"),
         ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, r"unknown key\(s\) \['k'\]"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"},
+         r"quantization='int8' is set but method='ngram' uses no draft model"),
+        ({"model": "x", "num_speculative_tokens": 2, "quantization": "int3"},
+         r"speculative_config.quantization: .*int3"),
+        ({"model": "x", "num_speculative_tokens": 2, "quantization": 8},
+         r"speculative_config.quantization: quantization=8"),
         ("ngram", r"must be None, a dict"),
     ],
 )  # fmt: skip

@@ -38,7 +38,8 @@ def test_train_then_measure_from_disk(tmp_path):
     out = tmp_path / "models"
     bench.main([*TOY, "--out", str(out), "--train", "target,draft", "--skip-measure"])
     report_file = tmp_path / "report.json"
-    bench.main([*TOY, "--out", str(out), "--train", "draft_distill", "--json", str(report_file)])
+    bench.main([*TOY, "--out", str(out), "--train", "draft_distill", "--json", str(report_file),
+                "--draft-quantization", "none,int8"])  # fmt: skip
     report = json.loads(report_file.read_text())
     train = json.loads((out / "train_report.json").read_text())
     assert set(train) == {"target", "draft", "draft_distill"}
@@ -53,8 +54,8 @@ def test_train_then_measure_from_disk(tmp_path):
     assert models["draft"]["weight_ratio"] == round(ratio, 3)
     assert all(math.isfinite(m["heldout_loss"]) for m in models.values())
     engines = [r["engine"] for r in report["rows"]]
-    assert engines == ["target", "draft:k=2", "draft_distill:k=2", "draft alone",
-                       "draft_distill alone"]  # fmt: skip
+    assert engines == ["target", "draft:k=2", "draft int8:k=2", "draft_distill:k=2",
+                       "draft_distill int8:k=2", "draft alone", "draft_distill alone"]  # fmt: skip
     for row in report["rows"]:
         assert row["tok_s"] > 0
         if ":k=" in row["engine"]:

@@ -2,7 +2,8 @@
 
 The keys follow vLLM's ``--speculative-config`` JSON::
 
-    {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
+    {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4,
+     "quantization": "int4"}
     {"method": "ngram", "num_speculative_tokens": 4,
      "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
@@ -39,6 +40,12 @@ class SpeculativeConfig:
         model: the draft (``"draft_model"`` only): an HF directory, a transformers
             model, a shardspeed GPT or a ragged model, of the target's vocabulary.
         draft_dtype: the draft's dtype; None => the target's compute dtype.
+        quantization: weight-only quantization of the draft's linear layers (``"draft_model"``
+            only), as ``EngineConfig.quantization`` takes it (``"int8"``, ``"int4"``,
+            ``"int4-g64-asym"``, a dict or a ``WeightQuantConfig``); None keeps the draft
+            in ``draft_dtype``. A draft only proposes (the target checks every token), so
+            a quantized draft changes the acceptance rate, never the output; it makes
+            each draft step read a half or a quarter of the bytes.
         prompt_lookup_max: longest n-gram matched (``"ngram"`` only).
         prompt_lookup_min: shortest n-gram matched (``"ngram"`` only).
     """
@@ -47,6 +54,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     model: Any = None
     draft_dtype: Any = None
+    quantization: Any = None
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
 
@@ -97,12 +105,21 @@ class SpeculativeConfig:
                 "speculative_config.method='draft_model' needs 'model' (the draft: an HF "
                 "directory or model with the target's tokenizer); or use method='ngram'."
             )
+        if self.method == "draft_model" and self.quantization is not None:
+            from shardspeed.inference.quantization import WeightQuantConfig
+
+            try:
+                self.quantization = WeightQuantConfig.parse(self.quantization)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"speculative_config.quantization: {err}") from err
         if self.method == "ngram":
-            if self.model is not None:
-                raise ValueError(
-                    f"speculative_config.model={self.model!r} is set but method='ngram' uses no "
-                    "draft model; drop 'model' or use method='draft_model'."
-                )
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"speculative_config.{name}={getattr(self, name)!r} is set but "
+                        f"method='ngram' uses no draft model; drop '{name}' or use "
+                        "method='draft_model'."
+                    )
             lo = _positive_int("prompt_lookup_min", self.prompt_lookup_min)
             hi = _positive_int("prompt_lookup_max", self.prompt_lookup_max)
             if lo > hi:

@@ -61,7 +61,7 @@ class DraftModelProposer:
         cpu_prepack: bool | None = None,
     ):
         dtype = config.draft_dtype if config.draft_dtype is not None else target_spec.dtype
-        self.model, _ = build_model(config.model, dtype, device)
+        self.model, _ = build_model(config.model, dtype, device, config.quantization)
         pack_worker_model(self.model, cpu_prepack, device)  # as the target is packed
         draft = self.model
         for name, value in (("kv_window", draft.kv_window), ("rope_recompute_len",
