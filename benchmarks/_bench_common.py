@@ -171,17 +171,36 @@ def peak_rss_mb() -> float:
     return maxrss / 2**20 if sys.platform == "darwin" else maxrss / 2**10
 
 
-def machine_description() -> str:
-    """One line naming the CPU and core count (used in table headers and the docs)."""
+def machine_description(cpuinfo: str | None = None) -> str:
+    """One line naming the CPU, core count and the matrix ISA (used in table headers and the
+    docs). Virtual machines often report a bare ``model name`` ("AMD EPYC"), so the x86
+    family / model numbers and the AVX-512 / bf16 / AMX flags are added: they say which
+    kernels the CPU runs (``cpuinfo``: ``/proc/cpuinfo``'s text, read when None)."""
     cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+    fields: dict[str, str] = {}
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if fields:  # the first processor's block is enough
                 break
-    except OSError:
-        pass
-    return f"{os.cpu_count()}-core {cpu}, {platform.system()} {platform.release()}"
+            continue
+        fields.setdefault(key.strip(), value.strip())
+    cpu = fields.get("model name", cpu)
+    details = []
+    if "cpu family" in fields and "model" in fields:
+        details.append(f"family {fields['cpu family']} model {fields['model']}")
+    flags = set(fields.get("flags", "").split())
+    isa = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "bf16"),
+           ("amx_bf16", "AMX-bf16"), ("amx_int8", "AMX-int8")) if flag in flags]  # fmt: skip
+    if flags:
+        details.append(" + ".join(isa) if isa else "no AVX-512")
+    suffix = f" ({'; '.join(details)})" if details else ""
+    return f"{os.cpu_count()}-core {cpu}{suffix}, {platform.system()} {platform.release()}"
 
 
 # ----------------------------------------------------------------------------- tables

@@ -86,11 +86,11 @@ def test_forward_failure_fails_only_its_request(expected):
     real = engine.runner.execute
     failed_batch_sizes = []
 
-    def flaky_forward(batch):
+    def flaky_forward(batch, *args):
         if any(_is_marked(s.request) for s in batch.sequences):
             failed_batch_sizes.append(len(batch.sequences))
             raise RuntimeError("injected forward fault")
-        return real(batch)
+        return real(batch, *args)
 
     engine.runner.execute = flaky_forward
     thread, async_engine = start_server(engine)

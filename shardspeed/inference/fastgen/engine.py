@@ -41,7 +41,7 @@ from shardspeed.inference.fastgen.models.tp_shard import NO_SHARD
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
 from shardspeed.inference.fastgen.outputs import RequestOutput, select_best
 from shardspeed.inference.fastgen.request import Request, sample_request_ids
-from shardspeed.inference.fastgen.sampling import sample_next_tokens
+from shardspeed.inference.fastgen.sampling import argmax_only, sample_next_tokens
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, Scheduler
 from shardspeed.inference.fastgen.speculative import build_speculator
@@ -342,7 +342,11 @@ class InferenceEngine:
                 self._tokens_generated += appended
                 return outputs
         self.mask_prefetch.submit(s.request for s in batch.sequences if s.needs_logits)
-        logits, batch = self._execute(batch, outputs)  # drops sequences whose forward fails
+        # rows that only need their argmax stay in the model's dtype (no fp32 copy)
+        keep_dtype = all(
+            argmax_only(s.request) and not s.all_logits for s in batch.sequences if s.needs_logits
+        )
+        logits, batch = self._execute(batch, outputs, keep_dtype)  # drops failed sequences
         self.scheduler.commit(batch)
         logits, sampled = self._sampling_rows(logits, batch, outputs)  # [M, V], one per request
         logits, sampled = self._fork_samples(logits, sampled)  # n / best_of samples join here
@@ -416,7 +420,7 @@ class InferenceEngine:
 
     # ------------------------------------------------------- fault isolation
     def _execute(
-        self, batch: ScheduledBatch, outputs: list[RequestOutput]
+        self, batch: ScheduledBatch, outputs: list[RequestOutput], keep_dtype: bool = False
     ) -> tuple[torch.Tensor, ScheduledBatch]:
         """Logits of ``batch``, and the batch itself less the sequences that failed.
 
@@ -427,7 +431,7 @@ class InferenceEngine:
         (:class:`TensorParallelError`) is the engine's at once and is raised as is.
         """
         try:
-            return self.runner.execute(batch), batch
+            return self.runner.execute(batch, keep_dtype), batch
         except TensorParallelError:  # the ranks are out of step: no per-request retry
             raise
         except Exception as batch_error:
@@ -439,7 +443,7 @@ class InferenceEngine:
             kept, rows, failed = [], [], []
             for seq in batch.sequences:
                 try:
-                    logits = self.runner.execute(ScheduledBatch(sequences=[seq]))  # [0|1, V]
+                    logits = self.runner.execute(ScheduledBatch(sequences=[seq]), keep_dtype)
                 except Exception as exc:
                     failed.append((seq.request, exc))
                     continue

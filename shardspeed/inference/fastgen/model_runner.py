@@ -86,17 +86,24 @@ class ModelRunner:
             logger.info("compiled decode: mode=%s, batch buckets %s", mode, self.compiled.buckets)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[M, vocab]`` (fp32) for the sequences with ``needs_logits``, in batch order."""
+    def execute(self, batch: ScheduledBatch, keep_dtype: bool = False) -> torch.Tensor:
+        """Logits ``[M, vocab]`` for the sequences with ``needs_logits``, in batch order: fp32,
+        or (``keep_dtype``, for a caller that only takes each row's argmax) in the model's
+        dtype, which saves converting ``M x vocab`` values each step."""
         if self.compiled is not None and self.compiled.accepts(batch):
-            return self.compiled.run(batch).float()
+            return _as_logits(self.compiled.run(batch), keep_dtype)
         if self.lora is not None:  # the forward adds each request's adapter delta
             with self.lora.scope(batch):
-                return self._forward(batch)
-        return self._forward(batch)
+                return self._forward(batch, keep_dtype)
+        return self._forward(batch, keep_dtype)
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch, keep_dtype: bool) -> torch.Tensor:
         ragged = build_ragged_batch(batch, self.block_size, self.device, self.backend)
         if self.peers is not None:
-            return self.peers.execute(batch, lambda: self.model(ragged, self.kv_cache)).float()
-        return self.model(ragged, self.kv_cache).float()
+            logits = self.peers.execute(batch, lambda: self.model(ragged, self.kv_cache))
+            return _as_logits(logits, keep_dtype)
+        return _as_logits(self.model(ragged, self.kv_cache), keep_dtype)
+
+
+def _as_logits(logits: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
+    return logits if keep_dtype else logits.float()

@@ -95,6 +95,15 @@ def _has_processors(req: Request) -> bool:
     )
 
 
+def argmax_only(req: Request) -> bool:
+    """Whether ``req``'s next token is the argmax of its raw logits and nothing else is read
+    from them: greedy, no logits processors, no logprobs (``best_of`` ranks by them) and no
+    grammar. Such rows may stay in the model's dtype: upcasting bf16 / fp16 to fp32 is exact
+    and keeps the order, so the argmax (ties and ``nan`` included) is the same."""
+    p = req.params
+    return p.greedy and not p.needs_logprobs and not _has_processors(req) and req.guide is None
+
+
 def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` with ``nan`` -> ``-inf`` and ``+-inf`` overflow clamped to the dtype's range.
 
@@ -138,7 +147,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     alone; only a row whose maximum is ``nan`` needs :func:`finite_logits`."""
     chosen = row_argmax(logits)  # [M]
     if torch.isnan(logits.gather(-1, chosen.unsqueeze(-1))).any():
-        chosen = finite_logits(logits).argmax(dim=-1)
+        chosen = finite_logits(logits.float()).argmax(dim=-1)  # fp32's clamp, whatever dtype
     return chosen.tolist()
 
 
@@ -180,7 +189,10 @@ def _group_key(req: Request) -> tuple:
 
 
 def sample_next_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One next token per row of ``logits`` (``[M, V]``, row ``i`` for ``requests[i]``)."""
+    """One next token per row of ``logits`` (``[M, V]``, row ``i`` for ``requests[i]``);
+    ``logits`` may be in the model's dtype when every request is :func:`argmax_only`."""
+    if all(argmax_only(r) for r in requests):
+        return greedy_tokens(logits)
     logits = process_logits(logits, requests)
     groups: dict[tuple, list[int]] = {}
     for row, req in enumerate(requests):

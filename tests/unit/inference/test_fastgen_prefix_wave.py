@@ -43,11 +43,11 @@ def test_failed_filler_requeues_the_requests_reading_its_blocks(tiny_llama):
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def failing_first_prefill(batch):
+    def failing_first_prefill(batch, *args):
         calls["n"] += 1
         if calls["n"] <= 2 and any(s.request.request_id == "a" for s in batch.sequences):
             raise RuntimeError("injected")  # the batched forward, then "a" alone
-        return real(batch)
+        return real(batch, *args)
 
     engine.runner.execute = failing_first_prefill
     requeued: list[str] = []

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from fastgen_helpers import engine_for
 
 from shardspeed.inference.fastgen.output_processor import OutputProcessor
 from shardspeed.inference.fastgen.request import Request
@@ -167,3 +168,54 @@ def test_row_argmax_is_argmax(vocab: int, dtype: torch.dtype) -> None:
             x[3, [3, vocab - 1]] = x[3].max() + 1  # tie between body and tail: body first
         y = x.to(dtype)
         assert torch.equal(row_argmax(y), y.argmax(-1)), (case, vocab, dtype)
+
+
+def test_argmax_only_rows_sample_the_same_from_model_dtype_logits() -> None:
+    """Greedy rows without processors, logprobs or grammar are sampled from bf16 logits as
+    from their fp32 upcast (ties, +inf and nan rows included); other rows are not argmax-only."""
+    from shardspeed.inference.fastgen.sampling import argmax_only, sample_next_tokens
+
+    inf, nan = float("inf"), float("nan")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 700, generator=gen).round().bfloat16()  # many ties
+    logits[1, [5, 600]] = inf
+    logits[2, 10] = nan
+    logits[3] = float("-inf")
+    logits[3, 699] = 1.0
+    greedy = [Request(str(i), [1], SamplingParams(temperature=0.0)) for i in range(6)]
+    assert all(argmax_only(r) for r in greedy)
+    assert sample_next_tokens(logits, greedy) == sample_next_tokens(logits.float(), greedy)
+    assert sample_next_tokens(logits, greedy)[1:4] == [5, int(logits[2].float().nan_to_num(
+        nan=-inf).argmax()), 699]  # fmt: skip
+    for params in (
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+        SamplingParams(temperature=0.0, n=1, best_of=2),
+    ):
+        assert not argmax_only(Request("x", [1], params))
+    guided = Request("g", [1], SamplingParams(temperature=0.0))
+    guided.guide = object()
+    assert not argmax_only(guided)
+
+
+def test_engine_keeps_model_dtype_logits_only_for_argmax_only_batches(tiny_llama, monkeypatch):
+    from shardspeed.inference.fastgen.model_runner import ModelRunner
+
+    engine = engine_for(tiny_llama, dtype=torch.bfloat16)
+    seen: list[bool] = []
+    execute = ModelRunner.execute
+
+    def spy(self, batch, keep_dtype=False):
+        seen.append(keep_dtype)
+        return execute(self, batch, keep_dtype)
+
+    monkeypatch.setattr(ModelRunner, "execute", spy)
+    greedy = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    reference = [o.output_token_ids for o in engine.generate([[5, 6, 7], [9, 8]], greedy)]
+    assert seen and all(seen)
+    seen.clear()
+    with_logprobs = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=1)
+    outs = engine.generate([[5, 6, 7], [9, 8]], [greedy, with_logprobs])
+    assert not any(seen)  # one row needs fp32 log-probabilities: the whole step upcasts
+    assert [o.output_token_ids for o in outs] == reference

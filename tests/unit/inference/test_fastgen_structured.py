@@ -151,10 +151,10 @@ def _run_steps(engine, prefetch: bool, fail_id: str | None = None) -> dict:
     finals, steps = {}, 0
     execute = engine.runner.execute
 
-    def failing(batch):
+    def failing(batch, *args):
         if steps >= 2 and any(s.request.request_id == fail_id for s in batch.sequences):
             raise RuntimeError("injected forward failure")
-        return execute(batch)
+        return execute(batch, *args)
 
     engine.runner.execute = failing
     try:
