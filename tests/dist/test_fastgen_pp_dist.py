@@ -135,3 +135,51 @@ def test_sampling_features_prefill_first_and_int8_pp2_match_one_process() -> Non
         if w[2] is not None:
             assert abs(g[2] - w[2]) < 1e-4
     pipe.shutdown()
+
+
+def test_structured_output_pp2_matches_one_process_with_masks_computed_in_flight(
+    monkeypatch,
+) -> None:
+    """Guided rows are sampled on rank 0; their grammar masks are computed on a worker
+    while their micro-batch is in the pipeline. Same tokens as one process, valid JSON."""
+    import json
+
+    import jsonschema
+
+    from shardspeed.inference.fastgen.structured import MaskPrefetcher, StructuredOutputParams
+    from shardspeed.models.tokenizer import ByteTokenizer
+
+    taken = []
+    take = MaskPrefetcher.take
+    monkeypatch.setattr(MaskPrefetcher, "take", lambda self: taken.append(take(self)) or taken[-1])
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 5},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
+    tokenizer = ByteTokenizer()
+    source = hf_model("LlamaConfig", vocab_size=tokenizer.vocab_size)
+    guided = [
+        SamplingParams(max_new_tokens=80, temperature=1.0, seed=s,
+                       structured_output=StructuredOutputParams(json=schema))
+        for s in range(4)
+    ]  # fmt: skip
+    texts = ["json:", "object: ", "{", "a json", "plain", "more plain text"]
+    params = guided + [GREEDY, GREEDY]
+    one = InferenceEngine.from_pretrained(source, tokenizer=tokenizer, **ENGINE)
+    want = [(o.output_token_ids, o.text) for o in one.generate(texts, params)]
+    pipe = pipeline(source, tokenizer=tokenizer, pipeline_parallel=2, **ENGINE)
+    engine = pipe.engine
+    taken.clear()
+    got = [(o.output_token_ids, o.text) for o in engine.generate(texts, params)]
+    assert sum(m is not None for m in taken) > 10  # masks were ready when their rows came back
+    assert got == want
+    for _, text in got[:4]:  # each grammar completes well within 80 tokens
+        jsonschema.validate(json.loads(text), schema)
+    assert len(engine._free_masks) == engine.depth  # every prefetcher came back
+    pipe.shutdown()

@@ -55,7 +55,8 @@ from shardspeed.inference.fastgen.pipeline_parallel.worker import StageTimer
 from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.request import Request
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
-from shardspeed.inference.fastgen.structured import GuideFactory, apply_guides
+from shardspeed.inference.fastgen.structured import GuideFactory, MaskPrefetcher, apply_guides
+from shardspeed.inference.fastgen.structured.prefetch import PrefetchedMasks
 from shardspeed.utils.logging import get_logger
 
 __all__ = ["PIPELINE_SCHEDULES", "PipelineInferenceEngine", "check_pipeline_config"]
@@ -103,6 +104,7 @@ class _MicroBatch:
 
     batch: ScheduledBatch
     modes: list[int]
+    masks: MaskPrefetcher  # structured-output masks of its rows, computed while it is in flight
 
     def waiting_for_token(self) -> list[Request]:
         return [s.request for s, m in zip(self.batch.sequences, self.modes) if m != msg.NO_ROWS]
@@ -189,6 +191,8 @@ class PipelineInferenceEngine(InferenceEngine):
         self.depth = cfg.pipeline_parallel if cfg.pipeline_schedule == "inflight" else 1
         self._in_flight: deque[_MicroBatch] = deque()
         self._timer = StageTimer()  # stage 0's waits for results
+        # one mask prefetcher per micro-batch in flight (their rows are disjoint requests)
+        self._free_masks = [MaskPrefetcher() for _ in range(self.depth)]
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -205,7 +209,11 @@ class PipelineInferenceEngine(InferenceEngine):
                 return outputs
             micro = self._in_flight.popleft()
             begin = time.perf_counter()
-            tokens, rows = self.stages.collect()
+            try:
+                tokens, rows = self.stages.collect()
+            except PipelineParallelError:
+                self._take_masks(micro)
+                raise
             end = time.perf_counter()
         except PipelineParallelError as error:
             self._fail_all(error, outputs)
@@ -244,6 +252,10 @@ class PipelineInferenceEngine(InferenceEngine):
                 seq.request.metrics.first_scheduled_time = now
         modes = [self._mode(seq) for seq in batch.sequences]
         self.stages.send_batch(batch, modes)
+        micro = _MicroBatch(batch, modes, self._free_masks.pop())
+        # rank 0 samples the LOGITS rows: their grammar masks are computed meanwhile
+        micro.masks.submit(s.request for s, m in zip(batch.sequences, modes) if m == msg.LOGITS)
+        self._in_flight.append(micro)  # from here a failure's _fail_all releases its masks
         ragged = build_ragged_batch(batch, self.kv_cache.spec.block_size, self.device, self.backend)
         try:
             hidden = self.stage.forward(ragged, self.kv_cache, None)  # [N, hidden]
@@ -251,7 +263,12 @@ class PipelineInferenceEngine(InferenceEngine):
             raise self.stages.fail(exc) from exc
         self.stages.send_hidden(hidden)
         self.scheduler.commit(batch)  # exact: every stage runs batches in launch order
-        self._in_flight.append(_MicroBatch(batch, modes))
+
+    def _take_masks(self, micro: _MicroBatch) -> PrefetchedMasks | None:
+        """``micro``'s prefetched masks (waits for them); its prefetcher goes back to the pool."""
+        masks = micro.masks.take()
+        self._free_masks.append(micro.masks)
+        return masks
 
     @staticmethod
     def _mode(seq: ScheduledSequence) -> int:
@@ -270,6 +287,7 @@ class PipelineInferenceEngine(InferenceEngine):
     ) -> None:
         """Sample (or take the last stage's tokens), append and check stops, as the
         one-process engine's step does after its forward."""
+        prefetched = self._take_masks(micro)
         picked: list[tuple[Request, int | None, torch.Tensor | None]] = []
         logits_seqs: list[ScheduledSequence] = []
         keep_rows: list[int] = []
@@ -291,7 +309,7 @@ class PipelineInferenceEngine(InferenceEngine):
             sub = ScheduledBatch(sequences=logits_seqs)
             logits, sampled = self._sampling_rows(logits, sub, outputs)  # [M, V]
             logits, sampled = self._fork_samples(logits, sampled)  # n / best_of join here
-            logits = apply_guides(logits, sampled)  # structured output: disallowed ids -> -inf
+            logits = apply_guides(logits, sampled, prefetched)  # disallowed ids -> -inf
             tokens = self._sample(logits, sampled, outputs)
             picked.extend(
                 (req, tok, logits[i : i + 1]) for i, (req, tok) in enumerate(zip(sampled, tokens))
@@ -304,7 +322,8 @@ class PipelineInferenceEngine(InferenceEngine):
 
     def _fail_all(self, error: PipelineParallelError, outputs: list[RequestOutput]) -> None:
         """A stage is gone: end every unfinished request with ``finish_reason="error"``."""
-        self._in_flight.clear()
+        while self._in_flight:
+            self._take_masks(self._in_flight.popleft())
         for req in list(self._requests.values()):
             if not req.is_finished:
                 self._fail(req, error, outputs)
@@ -335,7 +354,10 @@ class PipelineInferenceEngine(InferenceEngine):
     def shutdown(self) -> None:
         """Stop the stage workers (idempotent); the engine cannot generate afterwards."""
         self._is_shut_down = True
-        self._in_flight.clear()
+        while self._in_flight:
+            self._take_masks(self._in_flight.popleft())
+        for prefetcher in self._free_masks:
+            prefetcher.close()
         self.stages.shutdown()
 
     def _check_not_shut_down(self) -> None:
