@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -199,8 +198,10 @@ def main(argv: list[str] | None = None) -> None:
             out = run_case(args, model, *case)
             results[case].append(out["tok_s"])
             print(f"round {r + 1}: {' '.join(case)}: {out['tok_s']:.1f} tok/s", flush=True)
-    cpu = platform.processor() or _cpu_model()
-    print(f"\nCPU: {cpu}; threads {args.threads}; model {args.size}; rounds {args.rounds}")
+    from _bench_common import machine_description
+
+    print(f"\nCPU: {machine_description()}; threads {args.threads}; model {args.size}; "
+          f"rounds {args.rounds}")  # fmt: skip
     print("| engine | dtype | offline tok/s (rounds) | batch-1 tok/s (rounds) |")
     print("| --- | --- | --- | --- |")
     for e in engines:
@@ -219,17 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             for m in args.modes.split(","):
                 ours, theirs = results[("fastgen", d, m)], results[("vllm", d, m)]
                 ratio = statistics.median(ours) / statistics.median(theirs)
-                print(f"FastGen / vLLM {d} {m}: {ratio:.2f}x")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+                paired = " / ".join(f"{a / b:.2f}" for a, b in zip(ours, theirs))
+                print(f"FastGen / vLLM {d} {m}: {ratio:.2f}x (medians; by round {paired})")
 
 
 if __name__ == "__main__":
