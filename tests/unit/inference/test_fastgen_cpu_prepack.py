@@ -85,6 +85,29 @@ def test_packed_linear_matches_and_follows_in_place_updates(dtype) -> None:
     assert len(seen) == 3
 
 
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_fp32_weights_are_laid_out_for_batched_rows(monkeypatch, rows: int) -> None:
+    """fp32 weights are packed for FP32_PACK_ROWS rows (measured faster for 8-32 rows), bf16
+    for 1 (bitwise F.linear); every row count stays within fp32 rounding of F.linear."""
+    from shardspeed.inference.fastgen import cpu_prepack
+
+    hints = []
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_reorder_linear_weight", lambda w, n: hints.append(n) or reorder(w, n)
+    )
+    torch.manual_seed(0)
+    layers = [nn.Linear(384, 576, bias=False).requires_grad_(False) for _ in range(2)]
+    prepack_linears(nn.Sequential(layers[0]), (torch.float32,))
+    assert hints == [cpu_prepack.FP32_PACK_ROWS] and cpu_prepack.FP32_PACK_ROWS > 1
+    if torch.bfloat16 in _native_dtypes():
+        prepack_linears(nn.Sequential(layers[1].to(torch.bfloat16)), (torch.bfloat16,))
+        assert hints[1:] == [1]
+    x = torch.randn(rows, 384)
+    ref = F.linear(x.double(), layers[0].weight.double()).float()
+    torch.testing.assert_close(layers[0](x), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_other_dtypes_and_subclasses_are_left_alone() -> None:
     class MyLinear(nn.Linear):
         pass
