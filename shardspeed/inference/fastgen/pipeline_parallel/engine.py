@@ -54,6 +54,7 @@ from shardspeed.inference.fastgen.pipeline_parallel.stages import PipelineKVCach
 from shardspeed.inference.fastgen.pipeline_parallel.worker import StageTimer
 from shardspeed.inference.fastgen.ragged import build_ragged_batch
 from shardspeed.inference.fastgen.request import Request
+from shardspeed.inference.fastgen.sampling import argmax_only
 from shardspeed.inference.fastgen.scheduler import ScheduledBatch, ScheduledSequence, Scheduler
 from shardspeed.inference.fastgen.structured import GuideFactory, MaskPrefetcher, apply_guides
 from shardspeed.inference.fastgen.structured.prefetch import PrefetchedMasks
@@ -83,19 +84,9 @@ def check_pipeline_config(config: EngineConfig) -> None:
 
 
 def _sampled_on_last_stage(req: Request) -> bool:
-    """Greedy rows that need nothing of the request's state besides its logits row."""
-    p = req.params
-    return (
-        p.temperature == 0.0
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and not p.logit_bias
-        and p.min_tokens == 0
-        and not p.needs_logprobs
-        and not req.fork_ids
-        and req.guide is None  # structured output masks the row first
-    )
+    """Rows whose token is their argmax and nothing else (:func:`argmax_only`), and that
+    no sample forks from: the last stage can pick them without the request's state."""
+    return argmax_only(req) and not req.fork_ids
 
 
 @dataclass
