@@ -13,7 +13,11 @@ kernel); in fp32 oneDNN's GEMM sums in another order than MKL's (relative differ
 about 1e-6, as between MKL runs with different thread counts). fp32 is packed by default on
 AVX-512 CPUs, where it was measured faster (offline 1.25x, batch-1 1.5x on a 31M Llama;
 docs/serving.md; every FastGen fp32 token test against HF ``generate`` passes with it), and
-opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. The packed copy is an opaque oneDNN tensor beside
+opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. Products of at most
+:data:`~shardspeed.inference.fastgen.cpu_gemv.MAX_ROWS` rows (decode at batch 1-2) skip
+oneDNN for :mod:`~shardspeed.inference.fastgen.cpu_gemv`, which streams the parameter as
+stored (1.2-1.6x faster at those rows; fp32 accumulation in its own order, so bf16 outputs
+may differ from ``F.linear`` by one bf16 step). The packed copy is an opaque oneDNN tensor beside
 the parameter (weight memory is doubled); it is rebuilt whenever the parameter changes
 (its version counter or storage), so weights updated in place are never served stale.
 
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.inference.fastgen import cpu_gemv
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -123,6 +128,13 @@ class _PackedForward:
         rows = FP32_PACK_ROWS if weight.dtype == torch.float32 else 1
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         self.key = (weight._version, weight.data_ptr())
+        bias = self.module.bias
+        # 1-2 rows (decode at batch 1-2) read the weight as stored, through cpu_gemv.
+        self.gemv = (
+            weight.is_contiguous()
+            and weight.dtype in cpu_gemv.kernel_dtypes()
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.module.weight
@@ -130,7 +142,17 @@ class _PackedForward:
             self._pack()
         if x.dtype != weight.dtype or (weight.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, weight, self.module.bias)
+        if self.gemv and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel():
+            flat = x.reshape(-1, x.shape[-1])
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
+            out = cpu_gemv.linear(flat, weight.detach(), _detached(self.module.bias))
+            return out.view(*x.shape[:-1], weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.module.bias, "none", [], "")
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()
 
 
 def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:

@@ -1,0 +1,90 @@
+"""A CPU kernel for linear layers applied to 1-4 rows, reading the weight as stored.
+
+At batch 1-2 a decode step's linears are streams over their weights; oneDNN's kernel on its
+packed copy reads them at 15-22 GB/s on the 2-core AVX-512 EPYC these numbers come from,
+while ``gemv.cpp`` walks each weight row front to back at 24-31 GB/s (fp32 and bf16; the
+measurements are in docs/serving.md). :mod:`..cpu_prepack`'s packed forward sends products
+of at most :data:`MAX_ROWS` rows here and larger ones to oneDNN.
+
+Numerics: fp32 accumulation, in an order fixed per output (it does not depend on the other
+rows, the thread count or N), so a sequence gets the same logits whether it decodes alone or
+beside one other. It is not oneDNN's order: fp32 results differ from ``F.linear`` by fp32
+rounding, bf16 outputs by at most one bf16 step where the sums straddle a rounding boundary
+(as oneDNN's own 1-row and 5-row products already do).
+
+The kernel is JIT-built on first use and cached
+(:func:`shardspeed.ops.cpu_adam.builder.load_extension`); a build failure, a CPU without
+AVX-512 (fp32) or AVX-512-BF16 (bf16), or ``SHARDSPEED_FASTGEN_GEMV_CPU=0`` leaves every
+product on oneDNN.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from shardspeed.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+_PREFIX = "shardspeed_fastgen_gemv"
+_ENV = "SHARDSPEED_FASTGEN_GEMV_CPU"
+
+# Products with at most this many rows take the kernel. Measured against oneDNN's packed
+# kernel (AMD EPYC, 2 threads, 200M-Llama shapes): 1.25-1.55x faster at 1 row, 1.2-1.6x at
+# 2, even to 0.7x at 4 (the rows' activations are re-read per weight vector), slower at 8.
+MAX_ROWS = 2
+
+_state: dict[str, Any] = {"dtypes": None, "module": None}
+
+
+def _module() -> ModuleType:
+    module = _state["module"]
+    if module is None:
+        from shardspeed.ops.cpu_adam.builder import load_extension
+
+        module = _state["module"] = load_extension(SOURCE, _PREFIX, "FastGen's CPU GEMV kernel")
+    return module
+
+
+def _switched_on() -> bool:
+    value = os.environ.get(_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(
+            f"{_ENV}={value!r} is not understood; set it to 1 (the GEMV kernel for 1-"
+            f"{MAX_ROWS} rows, the default) or 0 (oneDNN for every product)."
+        )
+    return value in ("1", "true", "on")
+
+
+def kernel_dtypes() -> frozenset[torch.dtype]:
+    """The weight dtypes the kernel serves in this process (empty: none), resolved once:
+    switched off by the environment, not built, or no AVX-512 (-BF16) on this CPU."""
+    if _state["dtypes"] is None:
+        dtypes: frozenset[torch.dtype] = frozenset()
+        if _switched_on():
+            from shardspeed.ops.cpu_adam.builder import NativeBuildError
+
+            try:
+                names = _module().dtypes()
+                dtypes = frozenset(getattr(torch, name) for name in names)
+            except NativeBuildError as err:
+                logger.warning("FastGen's CPU GEMV kernel is unavailable, using oneDNN: %s", err)
+        _state["dtypes"] = dtypes
+    return _state["dtypes"]
+
+
+def reset() -> None:
+    """Forget the resolved dtypes (tests; the environment is read again at the next use)."""
+    _state["dtypes"] = None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[M <= 4, K]`` and a contiguous ``weight``
+    ``[N, K]`` of x's dtype (one in :func:`kernel_dtypes`); returns ``[M, N]``."""
+    return _module().linear(x, weight, bias)

@@ -1,0 +1,162 @@
+// Products of a few activation rows with a plain row-major weight, on CPU: y = x W^T + b
+// for x [M, K] with M <= 4 (a decode step at batch 1-4), W [N, K] and b [N], in fp32 or
+// bf16, accumulated in fp32.
+//
+// Why: at these row counts a linear layer is a stream over its weight, and the product is
+// bound by how fast the weight is read. oneDNN's kernel reads its blocked copy of the weight
+// at 15-22 GB/s on a 2-core AVX-512 EPYC, where a plain sum over the same bytes runs at
+// 24-29 GB/s; this kernel walks one weight row at a time, front to back, each thread over a
+// contiguous range of rows, and reads at 24-31 GB/s (docs/serving.md has the table).
+//
+// Per output (m, n): 16 (fp32) or 16 x 2 (bf16, `vdpbf16ps` pairs) lane-wise partial sums
+// over k in steps of one vector, then their horizontal sum, then the bias, then (bf16) one
+// rounding to nearest even. The order does not depend on N, on the thread count or on the
+// other rows, so a row gets the same result alone or beside others. It is not oneDNN's
+// order: results differ from `F.linear` by fp32 rounding (bf16 outputs then by at most one
+// bf16 step where the fp32 sums fall on different sides of a rounding boundary).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 4;
+
+#if defined(__AVX512F__)
+template <int M>
+inline void f32_row(const float* __restrict w, const float* __restrict x, int64_t K, float* sums) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), acc[m]);
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
+    const __m512 wv = _mm512_maskz_loadu_ps(mask, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <int M>
+inline void bf16_row(const uint16_t* __restrict w, const uint16_t* __restrict x, int64_t K, float* sums) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  }
+  if (k < K) {
+    const __mmask32 mask = static_cast<__mmask32>((uint64_t(1) << (K - k)) - 1u);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+// One thread's rows [begin, end) of the output, for M activation rows.
+template <typename T, int M>
+void rows(const T* w, const T* x, const T* bias, T* out, int64_t N, int64_t K, int64_t begin,
+          int64_t end) {
+  float sums[M];
+  for (int64_t n = begin; n < end; ++n) {
+    if constexpr (std::is_same_v<T, float>) {
+#if defined(__AVX512F__)
+      f32_row<M>(w + n * K, x, K, sums);
+#endif
+    } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      bf16_row<M>(reinterpret_cast<const uint16_t*>(w + n * K), reinterpret_cast<const uint16_t*>(x),
+                  K, sums);
+#endif
+    }
+    const float b = bias != nullptr ? static_cast<float>(bias[n]) : 0.0f;
+    for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<T>(sums[m] + b);
+  }
+}
+
+template <typename T>
+void dispatch(const T* w, const T* x, const T* bias, T* out, int64_t M, int64_t N, int64_t K) {
+  // Contiguous row ranges per thread; 16 rows at least so a thread's stream is long enough.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: rows<T, 1>(w, x, bias, out, N, K, begin, end); break;
+      case 2: rows<T, 2>(w, x, bias, out, N, K, begin, end); break;
+      case 3: rows<T, 3>(w, x, bias, out, N, K, begin, end); break;
+      default: rows<T, 4>(w, x, bias, out, N, K, begin, end); break;
+    }
+  });
+}
+
+}  // namespace
+
+// The dtypes this build has a kernel for (empty on a CPU without AVX-512).
+std::vector<std::string> dtypes() {
+  std::vector<std::string> out;
+#if defined(__AVX512F__)
+  out.emplace_back("float32");
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  out.emplace_back("bfloat16");
+#endif
+  return out;
+}
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "gemv linear: x must be [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "gemv linear: 1 to ", kMaxRows,
+              " rows, got ", x.size(0));
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.is_contiguous() && w.is_contiguous() &&
+                  x.device().is_cpu() && w.device().is_cpu(),
+              "gemv linear: x and w must be contiguous CPU tensors of one dtype");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->is_contiguous() &&
+                    bias->scalar_type() == w.scalar_type(),
+                "gemv linear: bias must be a contiguous [N] tensor of w's dtype");
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX512F__)
+  if (x.scalar_type() == torch::kFloat) {
+    dispatch<float>(w.data_ptr<float>(), x.data_ptr<float>(),
+                    has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, N, K);
+    return out;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (x.scalar_type() == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    dispatch<B>(w.data_ptr<B>(), x.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : nullptr,
+                out.data_ptr<B>(), M, N, K);
+    return out;
+  }
+#endif
+  TORCH_CHECK(false, "gemv linear: no kernel for ", x.scalar_type(), " in this build");
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dtypes", &dtypes, "dtypes with a kernel in this build");
+  m.def("linear", &linear, "x [M <= 4, K] @ w[N, K]^T + bias, fp32 accumulation");
+}

@@ -1,0 +1,147 @@
+"""FastGen's CPU GEMV kernel for 1-4 rows (fastgen/cpu_gemv): numerics against fp64,
+independence from the other rows and the thread count, routing from the packed linear,
+the switch, and bf16 engine tokens against HF bf16 ``generate`` up to its ties."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from fastgen_helpers import engine_for
+
+from shardspeed.inference.fastgen import cpu_gemv
+from shardspeed.inference.fastgen.cpu_prepack import prepack_linears
+from shardspeed.inference.fastgen.sampling_params import SamplingParams
+
+DTYPES = sorted(cpu_gemv.kernel_dtypes(), key=str)
+needs_kernel = pytest.mark.skipif(not DTYPES, reason="no AVX-512 GEMV kernel on this CPU")
+needs_bf16 = pytest.mark.skipif(
+    torch.bfloat16 not in cpu_gemv.kernel_dtypes(), reason="no AVX-512-BF16 on this CPU"
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [17, 48, 1000])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_kernel_matches_fp64(dtype: torch.dtype, k: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(k * 10 + rows)
+    w = torch.randn(37, k, generator=gen).to(dtype)
+    b = torch.randn(37, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    for bias in (b, None):
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = cpu_gemv.linear(x, w, bias)
+        assert got.dtype == dtype and got.shape == (rows, 37)
+        if dtype == torch.float32:  # fp32 sums of k products: a few fp32 roundings
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        else:  # one bf16 rounding of the fp32 sum (relative 2^-8), sums of bf16 products
+            torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-4 * k)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_sums_the_same_alone_beside_others_and_on_any_thread_count(dtype) -> None:
+    """The order of each output's sum is fixed: batch size and threads do not change it."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 520, generator=gen).to(dtype)
+    x = torch.randn(4, 520, generator=gen).to(dtype)
+    together = cpu_gemv.linear(x, w, None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for r in range(4):
+            alone = cpu_gemv.linear(x[r : r + 1].contiguous(), w, None)
+            assert torch.equal(alone, together[r : r + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_shapes() -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        cpu_gemv.linear(torch.randn(5, 16), w, None)
+    with pytest.raises(RuntimeError, match=r"\[M, K\]"):
+        cpu_gemv.linear(torch.randn(1, 15), w, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cpu_gemv.linear(torch.randn(1, 16, dtype=torch.float64), w, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_packed_linear_sends_few_rows_to_the_kernel(monkeypatch, dtype) -> None:
+    calls: list[tuple[int, ...]] = []
+    kernel = cpu_gemv.linear
+    monkeypatch.setattr(
+        cpu_gemv, "linear", lambda x, w, b: calls.append(x.shape) or kernel(x, w, b)
+    )
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96).to(dtype).requires_grad_(False)
+    assert prepack_linears(nn.Sequential(layer), (dtype,)) == 1
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2e-2}
+    for shape in [(1, 64), (1, 1, 64), (2, 64), (1, 2, 64), (3, 64), (2, 2, 64)]:
+        x = torch.randn(*shape).to(dtype)
+        out = layer(x)
+        assert out.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **tol)
+    assert calls == [(1, 64), (1, 64), (2, 64), (2, 64)]  # 3 and 4 rows went to oneDNN
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # the kernel reads the parameter itself: never stale
+    x = torch.randn(1, 64).to(dtype)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **tol)
+
+
+def test_switch_off_and_bad_values(monkeypatch) -> None:
+    try:
+        monkeypatch.setenv("SHARDSPEED_FASTGEN_GEMV_CPU", "0")
+        cpu_gemv.reset()
+        assert cpu_gemv.kernel_dtypes() == frozenset()
+        layer = nn.Linear(8, 8).requires_grad_(False)
+        prepack_linears(nn.Sequential(layer), (torch.float32,))
+        assert layer.forward.gemv is False  # type: ignore[attr-defined]
+        monkeypatch.setenv("SHARDSPEED_FASTGEN_GEMV_CPU", "maybe")
+        cpu_gemv.reset()
+        with pytest.raises(ValueError, match="SHARDSPEED_FASTGEN_GEMV_CPU='maybe'"):
+            cpu_gemv.kernel_dtypes()
+    finally:
+        monkeypatch.delenv("SHARDSPEED_FASTGEN_GEMV_CPU")
+        cpu_gemv.reset()
+
+
+def _bf16_step(value: float) -> float:
+    """The spacing of bf16 numbers at ``value`` (8 significant bits)."""
+    exponent = torch.frexp(torch.tensor(abs(value) or 1e-30))[1].item()
+    return 2.0 ** (exponent - 8)
+
+
+@needs_bf16
+def test_bf16_engine_tokens_equal_hf_bf16_up_to_its_ties(tiny_llama, prompts) -> None:
+    """Batch-1 decoding (every linear through the kernel) gives HF bf16 ``generate``'s
+    greedy tokens, except where HF's own top logits are tied at bf16 resolution: at a first
+    difference, HF's logit for our token is within one bf16 step of its maximum."""
+    hf = copy.deepcopy(tiny_llama).to(torch.bfloat16)
+    engine = engine_for(tiny_llama, dtype=torch.bfloat16)
+    assert any(getattr(m.__dict__.get("forward"), "gemv", False) for m in engine.model.modules())
+    new = 24
+    identical = 0
+    for prompt in prompts[:6]:
+        ours = engine.generate([prompt], SamplingParams(max_new_tokens=new, ignore_eos=True))
+        ours_ids = ours[0].output_token_ids
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+            )[0, len(prompt) :].tolist()
+        if ours_ids == ref:
+            identical += 1
+            continue
+        j = next(i for i in range(new) if ours_ids[i] != ref[i])
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ref[:j]])).logits[0, -1].float()
+        top = logits.max().item()
+        gap = top - logits[ours_ids[j]].item()
+        assert gap <= _bf16_step(top), (prompt, j, top, gap)
+    assert identical >= 3  # ties are the exception, not the rule
