@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _bench_common import machine_description  # noqa: E402
 
-from shardspeed.inference.fastgen import cpu_gemv  # noqa: E402
 from shardspeed.inference.fastgen.cpu_prepack import FP32_PACK_ROWS  # noqa: E402
+from shardspeed.ops import cpu_gemv  # noqa: E402
 
 # name: (hidden, intermediate, heads, kv heads, vocab), as in serve_vs_vllm.SIZES
 MODELS = {"31m": (384, 1024, 8, 2, 32000), "200m": (1024, 2816, 16, 4, 32000)}

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import gemv_bench  # noqa: E402
 
-from shardspeed.inference.fastgen import cpu_gemv  # noqa: E402
+from shardspeed.ops import cpu_gemv  # noqa: E402
 
 
 def test_shapes_are_the_fused_llama_linears() -> None:

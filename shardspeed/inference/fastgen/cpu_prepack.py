@@ -14,8 +14,8 @@ about 1e-6, as between MKL runs with different thread counts). fp32 is packed by
 AVX-512 CPUs, where it was measured faster (offline 1.25x, batch-1 1.5x on a 31M Llama;
 docs/serving.md; every FastGen fp32 token test against HF ``generate`` passes with it), and
 opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. Products of at most
-:data:`~shardspeed.inference.fastgen.cpu_gemv.MAX_ROWS` rows (decode at batch 1-2) skip
-oneDNN for :mod:`~shardspeed.inference.fastgen.cpu_gemv`, which streams the parameter as
+:data:`~shardspeed.ops.cpu_gemv.MAX_ROWS` rows (decode at batch 1-2) skip
+oneDNN for :mod:`~shardspeed.ops.cpu_gemv`, which streams the parameter as
 stored (1.2-1.6x faster at those rows; fp32 accumulation in its own order, so bf16 outputs
 may differ from ``F.linear`` by one bf16 step). The packed copy is an opaque oneDNN tensor beside
 the parameter (weight memory is doubled); it is rebuilt whenever the parameter changes
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from shardspeed.inference.fastgen import cpu_gemv
+from shardspeed.ops import cpu_gemv
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from shardspeed.inference.quantization.qtensor import QuantizedWeight, pack_int4, unpack_int4
+from shardspeed.ops import cpu_gemv
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,14 @@ class TorchInt8Kernel(QuantKernel):
             # the zero-point correction is applied after the kernel's output is rounded to
             # compute_dtype; a large zero point then cancels most of that output's bits
             return "asymmetric int8 uses the kernel only with compute_dtype=float32"
+        if device.type == "cpu" and compute_dtype == torch.bfloat16 and qw.shape[1] % 16:
+            # torch 2.13's CPU kernel reads past the row end for bf16 activations when K is
+            # not a multiple of 16: it crashes or returns garbage (checked for K = 8, 24, 31,
+            # 1000 at 1 and 4 rows; fp32 and fp16 are correct)
+            return (
+                f"torch's CPU int8 kernel is wrong for bf16 with in_features={qw.shape[1]} "
+                "(not a multiple of 16)"
+            )
         return None
 
     def pack(
@@ -155,12 +164,27 @@ class TorchInt8Kernel(QuantKernel):
 
     def matmul(self, x: torch.Tensor, buffers: Buffers, qmeta: QuantMeta) -> torch.Tensor:
         scales = buffers["scales"].to(x.dtype)
+        if "szp" not in buffers and _gemv_rows(x, buffers["qweight"]):
+            # 1-2 rows (decode at batch 1-2) on CPU: FastGen's streaming kernel, the same
+            # y = scales * (x @ q.T) read at ~1.5x (bf16) / ~10x (fp32) torch's speed here
+            return cpu_gemv.linear_int8(x.contiguous(), buffers["qweight"], scales.contiguous())
         y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), buffers["qweight"], scales)
         if "szp" not in buffers:
             return y  # (M, N)
         # asymmetric: W = s * (q - z)  =>  x @ W.T = s * (x @ q.T) - sum_k(x) * (s * z)
         x_sum = x.float().sum(-1, keepdim=True)  # (M, 1)
         return y.float() - x_sum * buffers["szp"]  # (M, N) fp32
+
+
+def _gemv_rows(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """Whether ``cpu_gemv`` serves this int8 product: a CPU product of at most
+    ``cpu_gemv.MAX_ROWS`` rows in a dtype it has a kernel for."""
+    return (
+        x.device.type == "cpu"
+        and qweight.device.type == "cpu"
+        and 0 < x.shape[0] <= cpu_gemv.MAX_ROWS
+        and x.dtype in cpu_gemv.kernel_dtypes()
+    )
 
 
 def _int4_scale_and_zeros(qw: QuantizedWeight, compute_dtype: torch.dtype) -> torch.Tensor:

@@ -12,9 +12,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastgen_helpers import engine_for
 
-from shardspeed.inference.fastgen import cpu_gemv
 from shardspeed.inference.fastgen.cpu_prepack import prepack_linears
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
+from shardspeed.ops import cpu_gemv
 
 DTYPES = sorted(cpu_gemv.kernel_dtypes(), key=str)
 needs_kernel = pytest.mark.skipif(not DTYPES, reason="no AVX-512 GEMV kernel on this CPU")
@@ -145,3 +145,57 @@ def test_bf16_engine_tokens_equal_hf_bf16_up_to_its_ties(tiny_llama, prompts) ->
         gap = top - logits[ours_ids[j]].item()
         assert gap <= _bf16_step(top), (prompt, j, top, gap)
     assert identical >= 3  # ties are the exception, not the rule
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [17, 1000, 1024])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_int8_kernel_matches_fp64(dtype: torch.dtype, k: int, rows: int) -> None:
+    """``scales * (x @ q.T)``, the definition of ``aten._weight_int8pack_mm``."""
+    gen = torch.Generator().manual_seed(k + rows)
+    q = torch.randint(-128, 128, (37, k), dtype=torch.int8, generator=gen)
+    scales = (torch.rand(37, generator=gen) * 0.01).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    want = (x.double() @ q.double().T) * scales.double()
+    got = cpu_gemv.linear_int8(x, q, scales)
+    assert got.dtype == dtype and got.shape == (rows, 37)
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # fp32 sums; one bf16 rounding
+    torch.testing.assert_close(got.double(), want, rtol=rtol, atol=rtol * want.abs().max())
+
+
+@needs_kernel
+def test_int8_weight_only_layers_use_the_kernel_for_few_rows(monkeypatch) -> None:
+    from shardspeed.inference.quantization.kernels import QuantMeta, TorchInt8Kernel
+    from shardspeed.inference.quantization.qtensor import quantize_weight
+
+    calls: list[int] = []
+    kernel = cpu_gemv.linear_int8
+    monkeypatch.setattr(
+        cpu_gemv, "linear_int8", lambda x, q, s: calls.append(x.shape[0]) or kernel(x, q, s)
+    )
+    torch.manual_seed(0)
+    qw = quantize_weight(torch.randn(48, 64), bits=8, group_size=64, symmetric=True)
+    int8 = TorchInt8Kernel()
+    buffers = int8.pack(qw, torch.float32)
+    for rows in (1, 2, 3):
+        x = torch.randn(rows, 64)
+        got = int8.matmul(x, buffers, QuantMeta(qw))
+        want = torch.ops.aten._weight_int8pack_mm(x, buffers["qweight"], buffers["scales"])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 2]  # 3 rows: torch's kernel
+
+
+def test_torch_int8_kernel_refused_where_it_is_wrong_for_bf16() -> None:
+    """torch's CPU int8 kernel crashes or returns garbage for bf16 activations when K is not
+    a multiple of 16; such layers take the reference kernel instead."""
+    from shardspeed.inference.quantization.kernels import TorchInt8Kernel
+    from shardspeed.inference.quantization.qtensor import quantize_weight
+
+    cpu = torch.device("cpu")
+    int8 = TorchInt8Kernel()
+    for k, bad in ((24, True), (1000, True), (32, False), (1008, False)):
+        qw = quantize_weight(torch.randn(8, k), bits=8, group_size=k, symmetric=True)
+        why = int8.supports(qw, cpu, torch.bfloat16)
+        assert (why is not None) == bad and (not bad or "multiple of 16" in why)
+        assert int8.supports(qw, cpu, torch.float32) is None

@@ -122,7 +122,7 @@ def test_other_dtypes_and_subclasses_are_left_alone() -> None:
 def test_bf16_engine_tokens_bitwise_equal_with_and_without(monkeypatch, tiny_llama, prompts):
     """Packing alone is bitwise ``F.linear`` in bf16 (the 1-2-row GEMV kernel, which sums in
     its own order, is switched off here; test_fastgen_cpu_gemv.py covers it)."""
-    from shardspeed.inference.fastgen import cpu_gemv
+    from shardspeed.ops import cpu_gemv
 
     monkeypatch.setattr(cpu_gemv, "_state", {**cpu_gemv._state, "dtypes": frozenset()})
     params = SamplingParams(max_new_tokens=6)

@@ -74,6 +74,46 @@ inline void bf16_row(const uint16_t* __restrict w, const uint16_t* __restrict x,
 }
 #endif
 
+// int8 weights (per-output-channel scales applied after the sum): each group of 16 int8 is
+// widened to fp32 exactly, then multiplied as above (bf16 activations are widened too, so
+// every product is exact in fp32 and only the additions round).
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 act16(const T* x, __mmask16 mask) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(mask, x);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+
+template <typename T, int M>
+inline void int8_row(const int8_t* __restrict w, const T* __restrict x, int64_t K, float* sums) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                       : static_cast<__mmask16>((1u << (K - k)) - 1u);
+    const __m512 wv =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + k)));
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(wv, act16<T>(x + m * K + k, mask), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+template <typename T, int M>
+void int8_rows(const int8_t* w, const T* x, const T* scales, T* out, int64_t N, int64_t K,
+               int64_t begin, int64_t end) {
+  float sums[M];
+  for (int64_t n = begin; n < end; ++n) {
+    int8_row<T, M>(w + n * K, x, K, sums);
+    const float s = static_cast<float>(scales[n]);
+    for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<T>(sums[m] * s);
+  }
+}
+#endif
+
 // One thread's rows [begin, end) of the output, for M activation rows.
 template <typename T, int M>
 void rows(const T* w, const T* x, const T* bias, T* out, int64_t N, int64_t K, int64_t begin,
@@ -156,7 +196,49 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   TORCH_CHECK(false, "gemv linear: no kernel for ", x.scalar_type(), " in this build");
 }
 
+// x [M <= 4, K] (fp32 or bf16) times int8 q [N, K] with per-row scales [N] of x's dtype:
+// y[m, n] = scales[n] * sum_k x[m, k] q[n, k], as aten._weight_int8pack_mm defines it.
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1),
+              "gemv linear_int8: x must be [M, K] and q [N, K], got ", x.sizes(), " and ", q.sizes());
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "gemv linear_int8: 1 to ", kMaxRows,
+              " rows, got ", x.size(0));
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.is_contiguous() && x.is_contiguous() &&
+                  x.device().is_cpu() && q.device().is_cpu(),
+              "gemv linear_int8: x and q must be contiguous CPU tensors, q int8");
+  TORCH_CHECK(scales.dim() == 1 && scales.size(0) == q.size(0) && scales.is_contiguous() &&
+                  scales.scalar_type() == x.scalar_type(),
+              "gemv linear_int8: scales must be a contiguous [N] tensor of x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  auto out = torch::empty({M, N}, x.options());
+#if defined(__AVX512F__)
+  const int8_t* qp = q.data_ptr<int8_t>();
+  auto run = [&](auto* xp, auto* sp, auto* op) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      switch (M) {
+        case 1: int8_rows<T, 1>(qp, xp, sp, op, N, K, begin, end); break;
+        case 2: int8_rows<T, 2>(qp, xp, sp, op, N, K, begin, end); break;
+        case 3: int8_rows<T, 3>(qp, xp, sp, op, N, K, begin, end); break;
+        default: int8_rows<T, 4>(qp, xp, sp, op, N, K, begin, end); break;
+      }
+    });
+  };
+  if (x.scalar_type() == torch::kFloat) {
+    run(x.data_ptr<float>(), scales.data_ptr<float>(), out.data_ptr<float>());
+    return out;
+  }
+  if (x.scalar_type() == torch::kBFloat16) {
+    using B = c10::BFloat16;
+    run(x.data_ptr<B>(), scales.data_ptr<B>(), out.data_ptr<B>());
+    return out;
+  }
+#endif
+  TORCH_CHECK(false, "gemv linear_int8: no kernel for ", x.scalar_type(), " in this build");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dtypes", &dtypes, "dtypes with a kernel in this build");
   m.def("linear", &linear, "x [M <= 4, K] @ w[N, K]^T + bias, fp32 accumulation");
+  m.def("linear_int8", &linear_int8, "x [M <= 4, K] @ (scales * q[N, K])^T, int8 q");
 }

@@ -3,8 +3,11 @@
 At batch 1-2 a decode step's linears are streams over their weights; oneDNN's kernel on its
 packed copy reads them at 15-22 GB/s on the 2-core AVX-512 EPYC these numbers come from,
 while ``gemv.cpp`` walks each weight row front to back at 24-31 GB/s (fp32 and bf16; the
-measurements are in docs/serving.md). :mod:`..cpu_prepack`'s packed forward sends products
-of at most :data:`MAX_ROWS` rows here and larger ones to oneDNN.
+measurements are in docs/inference.md).
+:mod:`shardspeed.inference.fastgen.cpu_prepack`'s packed forward sends products of at most
+:data:`MAX_ROWS` rows here and larger ones to oneDNN; the int8 weight-only kernel
+(:mod:`shardspeed.inference.quantization.kernels`) sends its 1-2-row products to
+:func:`linear_int8`.
 
 Numerics: fp32 accumulation, in an order fixed per output (it does not depend on the other
 rows, the thread count or N), so a sequence gets the same logits whether it decodes alone or
@@ -88,3 +91,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """``x @ weight.T + bias`` for ``x`` ``[M <= 4, K]`` and a contiguous ``weight``
     ``[N, K]`` of x's dtype (one in :func:`kernel_dtypes`); returns ``[M, N]``."""
     return _module().linear(x, weight, bias)
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``scales * (x @ qweight.T)`` for ``x`` ``[M <= 4, K]`` (a dtype in
+    :func:`kernel_dtypes`), int8 ``qweight`` ``[N, K]`` and ``scales`` ``[N]`` of x's dtype:
+    ``aten._weight_int8pack_mm``'s definition; each int8 is widened exactly and the sum is
+    accumulated in fp32, then scaled and rounded once."""
+    return _module().linear_int8(x, qweight, scales)
