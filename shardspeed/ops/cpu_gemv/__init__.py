@@ -35,7 +35,7 @@ from shardspeed.utils.logging import get_logger
 logger = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-_PREFIX = "shardspeed_fastgen_gemv"
+_PREFIX = "shardspeed_cpu_gemv"
 _ENV = "SHARDSPEED_FASTGEN_GEMV_CPU"
 
 # Products with at most this many rows take the kernel. Measured against oneDNN's packed
@@ -51,7 +51,7 @@ def _module() -> ModuleType:
     if module is None:
         from shardspeed.ops.cpu_adam.builder import load_extension
 
-        module = _state["module"] = load_extension(SOURCE, _PREFIX, "FastGen's CPU GEMV kernel")
+        module = _state["module"] = load_extension(SOURCE, _PREFIX, "the CPU GEMV kernel")
     return module
 
 
@@ -77,7 +77,9 @@ def kernel_dtypes() -> frozenset[torch.dtype]:
                 names = _module().dtypes()
                 dtypes = frozenset(getattr(torch, name) for name in names)
             except NativeBuildError as err:
-                logger.warning("FastGen's CPU GEMV kernel is unavailable, using oneDNN: %s", err)
+                logger.warning(
+                    "The CPU GEMV kernel is unavailable, using oneDNN and torch: %s", err
+                )
         _state["dtypes"] = dtypes
     return _state["dtypes"]
 
