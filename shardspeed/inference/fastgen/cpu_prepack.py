@@ -143,16 +143,10 @@ class _PackedForward:
         if x.dtype != weight.dtype or (weight.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, weight, self.module.bias)
         if self.gemv and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel():
-            flat = x.reshape(-1, x.shape[-1])
-            if not flat.is_contiguous():
-                flat = flat.contiguous()
-            out = cpu_gemv.linear(flat, weight.detach(), _detached(self.module.bias))
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            out = cpu_gemv.linear(flat, weight, self.module.bias)
             return out.view(*x.shape[:-1], weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.module.bias, "none", [], "")
-
-
-def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
-    return None if bias is None else bias.detach()
 
 
 def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
