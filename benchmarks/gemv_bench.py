@@ -4,10 +4,10 @@ For each weight shape of a model (``--size 31m`` or ``200m``, the Llamas of
 ``serve_vs_vllm.py``) and each row count, times the product both ways in one process,
 interleaved, and prints the median weight bytes read per second (a product of a few rows is
 a stream over the weight; a plain ``sum`` over the same bytes is printed as the box's
-reference). ``cpu_gemv.MAX_ROWS`` is the row count up to which the kernel won here.
+reference). ``cpu_gemv.MAX_ROWS`` holds the row counts, by dtype, up to which the kernel won here.
 Enough copies of each weight are cycled (~200 MB) that every product reads from DRAM.
 
-    .venv/bin/python benchmarks/gemv_bench.py --size 200m --rows 1,2,4,8 --threads 2
+    .venv/bin/python benchmarks/gemv_bench.py --size 200m --rows 1,2,3,4,8 --threads 2
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def bench_shape(
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed
             ],
         }
-        if m <= 4:
+        if m <= cpu_gemv.KERNEL_MAX_ROWS:
             fns["gemv"] = lambda x=x: [cpu_gemv.linear(x, w, None) for w in weights]
         times: dict[str, list[float]] = {name: [] for name in fns}
         for fn in fns.values():
@@ -85,7 +85,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size", choices=sorted(MODELS), default="200m")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--rows", default="1,2,4,8")
+    p.add_argument("--rows", default="1,2,3,4,8")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
@@ -94,7 +94,7 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     available = cpu_gemv.kernel_dtypes()
     print(f"CPU: {machine_description()}; threads {args.threads}; model {args.size}; "
-          f"cpu_gemv.MAX_ROWS {cpu_gemv.MAX_ROWS}")  # fmt: skip
+          f"cpu_gemv.MAX_ROWS {({str(d): r for d, r in cpu_gemv.MAX_ROWS.items()})}")  # fmt: skip
     print("| dtype | weight (N x K) | rows | sum GB/s | oneDNN GB/s | gemv GB/s | gemv / oneDNN |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.dtypes.split(","):

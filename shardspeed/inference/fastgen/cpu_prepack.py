@@ -14,10 +14,11 @@ about 1e-6, as between MKL runs with different thread counts). fp32 is packed by
 AVX-512 CPUs, where it was measured faster (offline 1.25x, batch-1 1.5x on a 31M Llama;
 docs/serving.md; every FastGen fp32 token test against HF ``generate`` passes with it), and
 opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. Products of at most
-:data:`~shardspeed.ops.cpu_gemv.MAX_ROWS` rows (decode at batch 1-2) skip
-oneDNN for :mod:`~shardspeed.ops.cpu_gemv`, which streams the parameter as
-stored (1.2-1.6x faster at those rows; fp32 accumulation in its own order, so bf16 outputs
-may differ from ``F.linear`` by one bf16 step). The packed copy is an opaque oneDNN tensor beside
+:func:`~shardspeed.ops.cpu_gemv.max_rows` rows (bf16: up to 4, fp32: 2; decode at small batch,
+a speculative verify) skip oneDNN for :mod:`~shardspeed.ops.cpu_gemv`, which streams the
+parameter as stored (1.2-1.6x faster at those rows; fp32 accumulation in its own order, the
+same for a row whatever the rows beside it, so bf16 outputs may differ from ``F.linear`` by
+one bf16 step). The packed copy is an opaque oneDNN tensor beside
 the parameter (weight memory is doubled); it is rebuilt whenever the parameter changes
 (its version counter or storage), so weights updated in place are never served stale.
 
@@ -129,12 +130,12 @@ class _PackedForward:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         self.key = (weight._version, weight.data_ptr())
         bias = self.module.bias
-        # 1-2 rows (decode at batch 1-2) read the weight as stored, through cpu_gemv.
-        self.gemv = (
-            weight.is_contiguous()
-            and weight.dtype in cpu_gemv.kernel_dtypes()
-            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+        # a few rows (decode at batch 1-4, a speculative verify) read the weight as stored,
+        # through cpu_gemv; 0: every product goes to oneDNN
+        eligible = weight.is_contiguous() and (
+            bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
         )
+        self.gemv_rows = cpu_gemv.max_rows(weight.dtype, weight.shape[1]) if eligible else 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.module.weight
@@ -142,7 +143,7 @@ class _PackedForward:
             self._pack()
         if x.dtype != weight.dtype or (weight.requires_grad and torch.is_grad_enabled()):
             return nn.functional.linear(x, weight, self.module.bias)
-        if self.gemv and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel():
+        if 0 < x.numel() <= self.gemv_rows * x.shape[-1]:
             flat = x.reshape(-1, x.shape[-1]).contiguous()
             out = cpu_gemv.linear(flat, weight, self.module.bias)
             return out.view(*x.shape[:-1], weight.shape[0])

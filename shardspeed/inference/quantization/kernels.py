@@ -178,11 +178,11 @@ class TorchInt8Kernel(QuantKernel):
 
 def _gemv_rows(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Whether ``cpu_gemv`` serves this int8 product: a CPU product of at most
-    ``cpu_gemv.MAX_ROWS`` rows in a dtype it has a kernel for."""
+    ``cpu_gemv.INT8_MAX_ROWS`` rows in a dtype it has a kernel for."""
     return (
         x.device.type == "cpu"
         and qweight.device.type == "cpu"
-        and 0 < x.shape[0] <= cpu_gemv.MAX_ROWS
+        and 0 < x.shape[0] <= cpu_gemv.INT8_MAX_ROWS
         and x.dtype in cpu_gemv.kernel_dtypes()
     )
 

@@ -5,7 +5,8 @@ packed copy reads them at 15-22 GB/s on the 2-core AVX-512 EPYC these numbers co
 while ``gemv.cpp`` walks each weight row front to back at 24-31 GB/s (fp32 and bf16; the
 measurements are in docs/inference.md).
 :mod:`shardspeed.inference.fastgen.cpu_prepack`'s packed forward sends products of at most
-:data:`MAX_ROWS` rows here and larger ones to oneDNN; the int8 weight-only kernel
+:func:`max_rows` rows here (4 in bf16, 2 in fp32) and larger ones to oneDNN; the int8
+weight-only kernel
 (:mod:`shardspeed.inference.quantization.kernels`) sends its 1-2-row products to
 :func:`linear_int8`.
 
@@ -38,10 +39,36 @@ SOURCE = Path(__file__).with_name("gemv.cpp")
 _PREFIX = "shardspeed_cpu_gemv"
 _ENV = "SHARDSPEED_FASTGEN_GEMV_CPU"
 
-# Products with at most this many rows take the kernel. Measured against oneDNN's packed
-# kernel (AMD EPYC, 2 threads, 200M-Llama shapes): 1.25-1.55x faster at 1 row, 1.2-1.6x at
-# 2, even to 0.7x at 4 (the rows' activations are re-read per weight vector), slower at 8.
-MAX_ROWS = 2
+# Products with at most this many rows take the kernel, by weight dtype. Measured against
+# oneDNN's packed kernel on the AMD EPYC of docs/inference.md (benchmarks/gemv_bench.py):
+# - bf16: 1.4-2.1x faster at 1-2 rows (200M-Llama shapes, 2 threads), 1.2-1.5x at 3-4 rows
+#   where the rows' activations take at most ACTIVATION_BYTES (K = 1024), 0.6-0.8x where they
+#   take more (the 2816-wide down projection); with 1 thread (63M shapes) 1.0-1.7x at 1-4
+#   rows. A speculative verify of 3 drafts is 4 rows: through the kernel it costs about a
+#   1-row decode, and its logits are bitwise those the 1-row decode would get.
+# - fp32: 1.2-1.9x at 1-2 rows; from 3 rows oneDNN's kernel for its 32-row layout wins (200M,
+#   2 threads: 0.66-0.92x at 3-4 rows on most shapes).
+MAX_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float32: 2}
+# Beyond 2 rows, the kernel serves a product only while its activation rows fit in this many
+# bytes (they are re-read for every weight row, from L1 when they fit beside the stream).
+ACTIVATION_BYTES = 16 * 1024
+# int8 weight-only products (linear_int8) take the kernel up to this many rows (measured at 1-2).
+INT8_MAX_ROWS = 2
+# The kernel's own limit (gemv.cpp's kMaxRows).
+KERNEL_MAX_ROWS = 4
+
+
+def max_rows(dtype: torch.dtype, in_features: int) -> int:
+    """Products of at most this many rows with a ``dtype`` weight of ``in_features`` columns
+    take the kernel (0: none do, because this process has no kernel for the dtype)."""
+    if dtype not in kernel_dtypes():
+        return 0
+    rows = MAX_ROWS.get(dtype, 0)
+    itemsize = torch.finfo(dtype).bits // 8
+    while rows > 2 and rows * in_features * itemsize > ACTIVATION_BYTES:
+        rows -= 1
+    return rows
+
 
 _state: dict[str, Any] = {"dtypes": None, "module": None}
 
@@ -59,8 +86,8 @@ def _switched_on() -> bool:
     value = os.environ.get(_ENV, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(
-            f"{_ENV}={value!r} is not understood; set it to 1 (the GEMV kernel for 1-"
-            f"{MAX_ROWS} rows, the default) or 0 (oneDNN for every product)."
+            f"{_ENV}={value!r} is not understood; set it to 1 (the GEMV kernel for products "
+            "of a few rows, the default) or 0 (oneDNN for every product)."
         )
     return value in ("1", "true", "on")
 
@@ -90,7 +117,7 @@ def reset() -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[M <= 4, K]`` and a contiguous ``weight``
+    """``x @ weight.T + bias`` for ``x`` ``[M <= KERNEL_MAX_ROWS, K]`` and a contiguous ``weight``
     ``[N, K]`` of x's dtype (one in :func:`kernel_dtypes`); returns ``[M, N]``."""
     return _module().linear(x, weight, bias)
 

@@ -47,17 +47,20 @@ def test_kernel_matches_fp64(dtype: torch.dtype, k: int, rows: int) -> None:
 def test_a_row_sums_the_same_alone_beside_others_and_on_any_thread_count(dtype) -> None:
     """The order of each output's sum is fixed: batch size and threads do not change it."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(300, 520, generator=gen).to(dtype)
-    x = torch.randn(4, 520, generator=gen).to(dtype)
-    together = cpu_gemv.linear(x, w, None)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        for r in range(4):
-            alone = cpu_gemv.linear(x[r : r + 1].contiguous(), w, None)
-            assert torch.equal(alone, together[r : r + 1])
-    finally:
-        torch.set_num_threads(threads)
+    for k in (520, 1024):  # with and without a tail; 3-4 rows run as passes of two
+        w = torch.randn(300, k, generator=gen).to(dtype)
+        x = torch.randn(4, k, generator=gen).to(dtype)
+        together = {m: cpu_gemv.linear(x[:m].contiguous(), w, None) for m in (2, 3, 4)}
+        try:
+            torch.set_num_threads(1)
+            for r in range(4):
+                alone = cpu_gemv.linear(x[r : r + 1].contiguous(), w, None)
+                for m, out in together.items():
+                    if r < m:
+                        assert torch.equal(alone, out[r : r + 1]), (k, m, r)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @needs_kernel
@@ -88,11 +91,26 @@ def test_packed_linear_sends_few_rows_to_the_kernel(monkeypatch, dtype) -> None:
         out = layer(x)
         assert out.shape == (*shape[:-1], 96)
         torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), **tol)
-    assert calls == [(1, 64), (1, 64), (2, 64), (2, 64)]  # 3 and 4 rows went to oneDNN
+    # bf16: up to 4 rows (3 and 2 x 2 here); fp32: up to 2, then oneDNN
+    want = [(1, 64), (1, 64), (2, 64), (2, 64)]
+    assert cpu_gemv.max_rows(dtype, 64) == (4 if dtype == torch.bfloat16 else 2)
+    if dtype == torch.bfloat16:
+        want += [(3, 64), (4, 64)]
+    assert calls == want
     with torch.no_grad():
         layer.weight.mul_(-1.0)  # the kernel reads the parameter itself: never stale
     x = torch.randn(1, 64).to(dtype)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), **tol)
+
+
+@needs_bf16
+def test_more_than_two_rows_only_while_the_activations_stay_small() -> None:
+    """bf16 takes 3-4 rows while the rows fit in ACTIVATION_BYTES (16 KiB), 2 beyond."""
+    assert cpu_gemv.max_rows(torch.bfloat16, 1024) == 4  # 4 x 1024 x 2 B = 8 KiB
+    assert cpu_gemv.max_rows(torch.bfloat16, 2048) == 4  # 16 KiB
+    assert cpu_gemv.max_rows(torch.bfloat16, 2816) == 2  # 3 rows would be 16.5 KiB
+    assert cpu_gemv.max_rows(torch.bfloat16, 100_000) == 2
+    assert cpu_gemv.max_rows(torch.float64, 64) == 0
 
 
 def test_switch_off_and_bad_values(monkeypatch) -> None:
@@ -102,7 +120,7 @@ def test_switch_off_and_bad_values(monkeypatch) -> None:
         assert cpu_gemv.kernel_dtypes() == frozenset()
         layer = nn.Linear(8, 8).requires_grad_(False)
         prepack_linears(nn.Sequential(layer), (torch.float32,))
-        assert layer.forward.gemv is False  # type: ignore[attr-defined]
+        assert layer.forward.gemv_rows == 0  # type: ignore[attr-defined]
         monkeypatch.setenv("SHARDSPEED_FASTGEN_GEMV_CPU", "maybe")
         cpu_gemv.reset()
         with pytest.raises(ValueError, match="SHARDSPEED_FASTGEN_GEMV_CPU='maybe'"):
@@ -125,7 +143,7 @@ def test_bf16_engine_tokens_equal_hf_bf16_up_to_its_ties(tiny_llama, prompts) ->
     difference, HF's logit for our token is within one bf16 step of its maximum."""
     hf = copy.deepcopy(tiny_llama).to(torch.bfloat16)
     engine = engine_for(tiny_llama, dtype=torch.bfloat16)
-    assert any(getattr(m.__dict__.get("forward"), "gemv", False) for m in engine.model.modules())
+    assert any(getattr(m.__dict__.get("forward"), "gemv_rows", 0) for m in engine.model.modules())
     new = 24
     identical = 0
     for prompt in prompts[:6]:

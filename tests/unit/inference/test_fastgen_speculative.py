@@ -14,6 +14,7 @@ from fastgen_helpers import VOCAB, engine_for, make_prompts, run_staggered
 from shardspeed.inference.fastgen.engine import EngineConfig, InferenceEngine
 from shardspeed.inference.fastgen.sampling_params import SamplingParams
 from shardspeed.inference.fastgen.speculative import SpeculativeConfig, lookup_ngram
+from shardspeed.ops import cpu_gemv
 
 COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -306,3 +307,31 @@ def test_failed_speculative_forward_falls_back_to_the_usual_step(tiny_llama, pro
     got = engine.generate(prompts[:3], params)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in ref]
     assert len(calls) > 2 and engine.block_pool.num_used == 0
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in cpu_gemv.kernel_dtypes(), reason="no AVX-512-BF16 GEMV kernel here"
+)
+def test_bf16_batch1_verify_takes_the_decode_kernel_and_keeps_every_token(monkeypatch):
+    """In bf16 at batch 1 a verify of 3 drafts is a 4-row product: it runs through the GEMV
+    kernel, whose sums do not depend on the rows beside them, so each verified position
+    gets the logits its 1-row decode would, and greedy output equals the target alone's,
+    ties included, over many tokens."""
+    target, draft = _family("llama")
+    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    rows: list[int] = []
+    kernel = cpu_gemv.linear
+    monkeypatch.setattr(
+        cpu_gemv, "linear", lambda x, w, b: rows.append(x.shape[0]) or kernel(x, w, b)
+    )
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    plain = engine_for(target, dtype=torch.bfloat16)
+    spec = engine_for(target, dtype=torch.bfloat16,
+                      speculative_config={"model": draft, "num_speculative_tokens": 3})  # fmt: skip
+    for prompt in MIXED:  # one request at a time: batch 1
+        ref = plain.generate([prompt], params)[0].output_token_ids
+        rows.clear()
+        got = spec.generate([prompt], params)[0].output_token_ids
+        assert got == ref
+        assert 4 in rows  # the verify forwards (1 + 3 rows) went through the kernel
+    assert 0.0 < spec.speculator.stats.acceptance_rate < 1.0
