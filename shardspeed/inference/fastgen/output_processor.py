@@ -5,15 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from shardspeed.inference.fastgen import detokenizer
+from shardspeed.inference.fastgen.detokenizer import decode
 from shardspeed.inference.fastgen.request import Request
 
-
-def decode(tokenizer: Any, token_ids: list[int]) -> str:
-    """``tokenizer.decode`` without special tokens (tolerates tokenizers without the kwarg)."""
-    try:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
-    except TypeError:
-        return tokenizer.decode(token_ids)
+__all__ = ["OutputProcessor", "decode"]
 
 
 class OutputProcessor:
@@ -21,7 +17,8 @@ class OutputProcessor:
 
     Stop strings are searched in the detokenized text, so a stop string split across
     several tokens is found once its last piece arrives. Below ``min_tokens`` no stop
-    rule but the context length applies.
+    rule but the context length applies. The text is detokenized incrementally
+    (:mod:`.detokenizer`): constant work per token, the full decode's text at the end.
     """
 
     def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], max_seq_len: int):
@@ -40,16 +37,20 @@ class OutputProcessor:
             or (not params.ignore_eos and token in self.eos_token_ids)
         ):
             reason = "stop"
+        trimmed = False
         if self.tokenizer is not None:
-            req.text = decode(self.tokenizer, req.output_token_ids)
+            ids = req.output_token_ids
+            req.text = detokenizer.update(self.tokenizer, ids, req.text, req.detokenizer)
             if reason is None and may_stop and params.stop and self._trim_at_stop_string(req):
-                reason = "stop"
+                reason, trimmed = "stop", True
             elif not may_stop:  # a stop string completed below min_tokens does not count
                 req.stop_checked_chars = len(req.text)
         if reason is None and (
             len(req.output_token_ids) >= params.max_new_tokens or req.num_tokens >= self.max_seq_len
         ):
             reason = "length"
+        if reason is not None and not trimmed and self.tokenizer is not None:
+            req.text = detokenizer.flush(self.tokenizer, ids, req.text, req.detokenizer)
         return reason
 
     @staticmethod

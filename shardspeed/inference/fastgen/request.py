@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shardspeed.inference.fastgen.block_pool import hash_block_tokens
+from shardspeed.inference.fastgen.detokenizer import DetokenizerState
 from shardspeed.inference.fastgen.outputs import RequestMetrics, RequestOutput, TokenLogprob
 from shardspeed.inference.fastgen.sampling_params import SEED_MIN, SamplingParams
 
@@ -64,6 +65,7 @@ class Request:
         self.hash_root = b"root"  # root of the block-hash chain (keyed by the RoPE variant)
         self.finish_reason: str | None = None
         self.text = ""
+        self.detokenizer = DetokenizerState()  # the window req.text was last extended from
         self.stop_checked_chars = 0  # text length already searched for stop strings
         self.num_emitted_tokens = 0  # tokens already handed out in a RequestOutput
         self.metrics = RequestMetrics(
