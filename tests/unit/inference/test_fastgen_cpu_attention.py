@@ -60,6 +60,26 @@ def test_kernel_matches_dense_attention(
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_sequence_gets_the_same_output_alone_and_in_a_batch(dtype) -> None:
+    """Many sequences: a work item takes every KV head and its tiles are converted in one
+    run; one sequence: items are single heads, rows converted one by one. Same sums."""
+    torch.manual_seed(1)
+    block, heads, kv_heads, head_dim = 16, 8, 2, 48
+    lens = torch.tensor([5, 16, 17, 40, 200, 380, 1, 511])
+    per_seq = -(-int(lens.max()) // block)
+    num_blocks = per_seq * len(lens)
+    k = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
+    v = torch.randn(num_blocks, block, kv_heads, head_dim).to(dtype)
+    table = torch.randperm(num_blocks).view(len(lens), per_seq)
+    q = torch.randn(len(lens), heads, head_dim).to(dtype)
+    batch = paged_decode(q, k, v, table, lens, scale=head_dim**-0.5)
+    for g in range(len(lens)):
+        alone = paged_decode(q[g : g + 1], k, v, table[g : g + 1], lens[g : g + 1],
+                             scale=head_dim**-0.5)  # fmt: skip
+        assert torch.equal(alone, batch[g : g + 1]), g
+
+
 def test_kernel_refuses_bad_inputs() -> None:
     q = torch.randn(2, 4, 8)
     cache = torch.randn(4, 4, 2, 8)

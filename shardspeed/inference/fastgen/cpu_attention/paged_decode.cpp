@@ -287,6 +287,10 @@ Tile load_tile(const T* cache, const int64_t* blocks, int64_t p, int64_t ctx,
   if (std::is_same<T, float>::value && nt >= in_place_rows) {
     return {reinterpret_cast<const float*>(first), head_dim, row_elems, nt, stop};
   }
+  if (group == num_kv) {  // every head: the tile's rows are one contiguous run, one loop
+    load_float<T>(first, buf, nt * row_elems);  // [nt, num_kv, D], as the cache lays it out
+    return {buf, head_dim, row_elems, nt, stop};
+  }
   for (int64_t j = 0; j < nt; ++j) {  // each row read once, all heads of the item
     for (int64_t hh = 0; hh < group; ++hh) {
       load_float<T>(first + j * row_elems + hh * head_dim, buf + (hh * 16 + j) * head_dim,
