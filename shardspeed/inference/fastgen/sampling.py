@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from shardspeed.inference.fastgen import cpu_fused
 from shardspeed.inference.fastgen.request import Request
 
 
@@ -120,13 +121,16 @@ _ARGMAX_CHUNK = 256
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` of ``[M, V]`` rows, the same indices (first maximum; ``nan``
     counts as the maximum, as in ``argmax``), several times faster on CPU for a large ``V``:
-    ``amax`` (vectorised) over chunks of 256, ``argmax`` over the chunk maxima, then within
-    the chosen chunk; the ``V % 256`` tail is compared last (it wins only when strictly
-    greater, or ``nan`` where the rest has none)."""
+    the fused CPU kernel's :func:`~.cpu_fused.row_argmax` where it is active; else ``amax``
+    (vectorised) over chunks of 256, ``argmax`` over the chunk maxima, then within the
+    chosen chunk; the ``V % 256`` tail is compared last (it wins only when strictly greater,
+    or ``nan`` where the rest has none)."""
     rows, vocab = logits.shape
     n = vocab // _ARGMAX_CHUNK
     if n < 2 or logits.device.type != "cpu":
         return logits.argmax(dim=-1)
+    if logits.stride(-1) == 1 and cpu_fused.active(logits):
+        return cpu_fused.row_argmax(logits)
     main = logits[:, : n * _ARGMAX_CHUNK].view(rows, n, _ARGMAX_CHUNK)
     chunk_max = main.amax(dim=-1)  # [M, n]
     chunk = chunk_max.argmax(dim=-1)  # [M]

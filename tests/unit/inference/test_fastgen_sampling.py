@@ -145,14 +145,25 @@ def test_greedy_tokens_equal_argmax_of_finite_logits() -> None:
     assert greedy_tokens(logits[:3]) == expected[:3]
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["fused_kernel", "chunked_torch"])
 @pytest.mark.parametrize("vocab", [255, 512, 32000, 32003, 50257])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_argmax_is_argmax(vocab: int, dtype: torch.dtype) -> None:
-    """Chunked argmax = torch.argmax: first maximum, ties, +inf, nan (in the body or tail)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_row_argmax_is_argmax(vocab: int, dtype: torch.dtype, native: bool) -> None:
+    """The fused kernel's and the chunked argmax = torch.argmax: first maximum, ties, +inf,
+    nan (in the body or tail), rows of -inf, signed zeros, rows of a wider tensor."""
+    from shardspeed.inference.fastgen import cpu_fused
     from shardspeed.inference.fastgen.sampling import row_argmax
 
+    cpu_fused.set_enabled(native)
+    try:
+        _check_row_argmax(row_argmax, vocab, dtype)
+    finally:
+        cpu_fused.set_enabled(None)
+
+
+def _check_row_argmax(row_argmax, vocab: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(vocab)
-    for case in range(8):
+    for case in range(11):
         x = torch.randn(5, vocab, generator=gen)
         if case in (1, 5):
             x = x.round()  # many ties: the first maximum must win
@@ -166,7 +177,15 @@ def test_row_argmax_is_argmax(vocab: int, dtype: torch.dtype) -> None:
             x[:, -1] = x.max() + 1  # the tail's maximum wins
         if case == 7:
             x[3, [3, vocab - 1]] = x[3].max() + 1  # tie between body and tail: body first
+        if case == 8:
+            x[0] = float("-inf")  # a row with every token filtered out
+            x[1, 20:] = float("-inf")
+        if case == 9:
+            x = -x.abs()  # maxima at zeros of either sign
+            x[4, [9, 40]] = torch.tensor([-0.0, 0.0])
         y = x.to(dtype)
+        if case == 10:  # rows that are slices of a wider tensor (row stride > vocab)
+            y = torch.cat([y, y[:, :7]], dim=1)[:, :vocab]
         assert torch.equal(row_argmax(y), y.argmax(-1)), (case, vocab, dtype)
 
 

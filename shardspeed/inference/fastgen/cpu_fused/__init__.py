@@ -1,7 +1,8 @@
 """Fused CPU kernels for the decoder layer's elementwise steps (``fused_ops.cpp``).
 
 RMSNorm (with the residual add before it), rotate-half RoPE and the gated MLP's
-``silu(gate) * up`` each take several eager torch kernels and temporaries per layer; on a
+``silu(gate) * up`` each take several eager torch kernels and temporaries per layer (and
+greedy sampling's row argmax a few passes over the logits); on a
 CPU at serving batch sizes they cost about as much as a small matmul. These run each step
 in one pass, keeping the eager formulas' roundings (see the C++ file's header for which
 results are bitwise torch's). The kernel is JIT-built on first use and cached, like the
@@ -112,3 +113,9 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` ``[N, 2 * inter]`` (gate columns first)."""
     return _module().silu_mul(gate_up)
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[M, V]`` rows (rows contiguous): the first maximum, a
+    ``nan`` counting as the largest value, as ``torch.argmax``; int64 ``[M]``."""
+    return _module().row_argmax(logits)

@@ -5,6 +5,7 @@
 //   add_rms_norm(x, a, w, eps, offset)  s = x + a (rounded to x's dtype); (s, rms_norm(s))
 //   rope_(x, cos, sin)                  rotate-half RoPE on the first cos.size(1) dims, in place
 //   silu_mul(gate_up)                   silu(gate) * up of a fused [N, 2I] projection
+//   row_argmax(logits)                  torch.argmax of each row (greedy sampling)
 //
 // Every rounding step of the eager formulas is kept: each product and sum is rounded to
 // the tensor's dtype where torch rounds it (round to nearest even, as c10's conversions),
@@ -32,6 +33,7 @@ extern "C" __m512 Sleef_expf16_u10(__m512);
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -350,6 +352,61 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// ------------------------------------------------------------------------- row argmax
+// torch.argmax of each row: the first maximum, where a NaN counts as larger than any number
+// (so the first NaN wins). Two passes over the row in fp32 (bf16 / fp16 widen exactly, so the
+// order is the original values'): the maximum, with an early exit at the first NaN, then the
+// first element equal to it. -0.0 and +0.0 compare equal, as in torch's comparisons.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0;
+  float best = -std::numeric_limits<float>::infinity();
+#if defined(SS_FUSED_VEC)
+  if constexpr (Vec<T>::ok) {
+    __m512 vmax = _mm512_set1_ps(best);
+    for (; i < n; i += 16) {
+      const __m512 v = Vec<T>::load(x + i, n - i);  // masked-off lanes load 0.0
+      const __mmask16 valid = lanes(n - i);
+      const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+      if (nan) return i + __builtin_ctz(nan);
+      vmax = _mm512_mask_max_ps(vmax, valid, vmax, v);
+    }
+    best = _mm512_reduce_max_ps(vmax);
+    const __m512 b = _mm512_set1_ps(best);
+    for (i = 0; i < n; i += 16) {
+      const __mmask16 hit =
+          _mm512_mask_cmp_ps_mask(lanes(n - i), Vec<T>::load(x + i, n - i), b, _CMP_EQ_OQ);
+      if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0;  // not reached: the maximum is one of the elements
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) return i;
+    best = std::max(best, v);
+  }
+  for (i = 0; i < n; ++i) {
+    if (static_cast<float>(x[i]) == best) return i;
+  }
+  return 0;
+}
+
+at::Tensor row_argmax(const at::Tensor& x) {
+  check_rows(x, "logits");
+  TORCH_CHECK(x.size(1) > 0, "row_argmax: rows must not be empty");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "row_argmax", [&] {
+    const scalar_t* p = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row<scalar_t>(p + r * stride, n);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -360,4 +417,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place", py::arg("x"), py::arg("cos"),
         py::arg("sin"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up", py::arg("gate_up"));
+  m.def("row_argmax", &row_argmax, "argmax of each row (first maximum, NaN largest)",
+        py::arg("logits"));
 }
