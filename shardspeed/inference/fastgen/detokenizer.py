@@ -64,11 +64,13 @@ def _restart(tokenizer: Any, ids: list[int], state: DetokenizerState) -> str:
     return full
 
 
-def update(tokenizer: Any, ids: list[int], text: str, state: DetokenizerState) -> str:
+def update(
+    tokenizer: Any, ids: list[int], text: str, state: DetokenizerState, final: bool = False
+) -> str:
     """The text of ``ids`` (all output tokens so far), given ``text``, the text of
-    ``ids[:state.end]``; updates ``state``."""
+    ``ids[:state.end]``; updates ``state``. ``final``: do not hold back a split character."""
     window = decode(tokenizer, ids[state.start :])
-    if window.endswith(_PARTIAL):  # a character split across tokens: wait for the rest
+    if window.endswith(_PARTIAL) and not final:  # a split character: wait for the rest
         return text
     if not window.startswith(state.window_text):
         return _restart(tokenizer, ids, state)
@@ -84,10 +86,4 @@ def flush(tokenizer: Any, ids: list[int], text: str, state: DetokenizerState) ->
     at the very end shows as U+FFFD, as in the full decode)."""
     if state.end == len(ids):
         return text
-    window = decode(tokenizer, ids[state.start :])
-    if not window.startswith(state.window_text):
-        return _restart(tokenizer, ids, state)
-    text += window[len(state.window_text) :]
-    state.end = len(ids)
-    state.window_text = window
-    return text
+    return update(tokenizer, ids, text, state, final=True)

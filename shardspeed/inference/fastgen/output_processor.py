@@ -6,10 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardspeed.inference.fastgen import detokenizer
-from shardspeed.inference.fastgen.detokenizer import decode
 from shardspeed.inference.fastgen.request import Request
-
-__all__ = ["OutputProcessor", "decode"]
 
 
 class OutputProcessor:

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from shardspeed.inference.fastgen.output_processor import decode
+from shardspeed.inference.fastgen.detokenizer import decode
 from shardspeed.inference.fastgen.outputs import select_best
 from shardspeed.inference.serving.async_engine import (
     AsyncEngine,

@@ -315,7 +315,7 @@ class Pipeline:
     def _prompt_text(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
             return prompt
-        from shardspeed.inference.fastgen.output_processor import decode
+        from shardspeed.inference.fastgen.detokenizer import decode
 
         return decode(self.tokenizer, prompt) if self.tokenizer is not None else ""
 

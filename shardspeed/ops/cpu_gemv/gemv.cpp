@@ -75,6 +75,14 @@ inline void bf16_row(const uint16_t* __restrict w, const uint16_t* __restrict x,
 }
 #endif
 
+// Rows are taken two at a time per pass over a weight row: the row (at most a few KB) is read
+// from DRAM by the first pass and from L1 by the second. One pass over 4 rows keeps 5 load
+// streams going (the weight and 4 activation rows), and on the EPYC of these numbers that
+// halved the weight's read rate (63M-Llama shapes, 1 thread: 4 rows in 13.0 ms against 7.3 ms
+// in two passes of 2, 7.1 ms for 1 row). The sums are the same either way: each output's
+// accumulator sees the same products in the same order.
+constexpr int kRowsPerPass = 2;
+
 // int8 weights (per-output-channel scales applied after the sum): each group of 16 int8 is
 // widened to fp32 exactly, then multiplied as above (bf16 activations are widened too, so
 // every product is exact in fp32 and only the additions round).
@@ -105,11 +113,11 @@ inline void int8_row(const int8_t* __restrict w, const T* __restrict x, int64_t 
 
 template <typename T, int M>
 inline void int8_passes(const int8_t* w, const T* x, int64_t K, float* sums) {
-  if constexpr (M <= 2) {  // two rows per pass over the weight row, as for bf16 / fp32 below
+  if constexpr (M <= kRowsPerPass) {
     int8_row<T, M>(w, x, K, sums);
   } else {
-    int8_row<T, 2>(w, x, K, sums);
-    int8_passes<T, M - 2>(w, x + 2 * K, K, sums + 2);
+    int8_row<T, kRowsPerPass>(w, x, K, sums);
+    int8_passes<T, M - kRowsPerPass>(w, x + kRowsPerPass * K, K, sums + kRowsPerPass);
   }
 }
 
@@ -125,13 +133,6 @@ void int8_rows(const int8_t* w, const T* x, const T* scales, T* out, int64_t N, 
 }
 #endif
 
-// Rows are taken two at a time per pass over a weight row: the row (at most a few KB) is read
-// from DRAM by the first pass and from L1 by the second. One pass over 4 rows keeps 5 load
-// streams going (the weight and 4 activation rows), and on the EPYC of these numbers that
-// halved the weight's read rate (63M-Llama shapes, 1 thread: 4 rows in 13.0 ms against 7.3 ms
-// in two passes of 2, 7.1 ms for 1 row). The sums are the same either way: each output's
-// accumulator sees the same products in the same order.
-constexpr int kRowsPerPass = 2;
 
 template <typename T, int M>
 inline void row_pass(const T* w, const T* x, int64_t K, float* sums) {
