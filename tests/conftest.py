@@ -35,17 +35,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Build FastGen's JIT CPU kernels (attention, fused elementwise) before any test runs.
+    """Build the JIT CPU kernels (FastGen's attention, fused elementwise and GEMV kernels, the
+    native CPU Adam) before any test runs, side by side.
 
-    A first build takes up to a minute on a busy 2-core machine; it is cached on disk, so
-    doing it here keeps it out of whichever test would use a kernel first, e.g. a server
-    subprocess that must report its address within a deadline. A failed build is logged
-    and the engine falls back to torch ops, as in use.
+    A first build takes about 20 s each on a 2-core machine; it is cached on disk, so doing it
+    here keeps it out of whichever test would use a kernel first, e.g. a server subprocess that
+    must report its address within a deadline. The builds are separate compiler processes, so
+    running them from threads overlaps them (each has its own build directory and lock). A
+    failed build is logged and the callers fall back to torch ops, as in use.
     """
-    from shardspeed.inference.fastgen import cpu_attention, cpu_fused
+    from concurrent.futures import ThreadPoolExecutor
 
-    cpu_attention.kernel_available()
-    cpu_fused.kernel_available()
+    from shardspeed.inference.fastgen import cpu_attention, cpu_fused
+    from shardspeed.ops import cpu_adam, cpu_gemv
+
+    builds = [
+        cpu_attention.kernel_available,
+        cpu_fused.kernel_available,
+        cpu_gemv.kernel_dtypes,
+        cpu_adam.select_backend,
+    ]
+    with ThreadPoolExecutor(len(builds)) as pool:
+        for future in [pool.submit(build) for build in builds]:
+            future.result()
 
 
 @pytest.fixture(scope="session", autouse=True)

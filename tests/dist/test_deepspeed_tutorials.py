@@ -5,8 +5,8 @@ synthetic data for a few steps: CIFAR-10 without and with MoE (ep 2, two MoE lay
 MoE param groups, ZeRO 2), the pipeline AlexNet (2 stages, and ``train_base`` without a
 pipeline) and BERT MLM (ZeRO 2, WarmupDecayLR, save_checkpoint then resume). The CIFAR-10
 runs at ZeRO 2 are each launched once (``_cifar10_ours``) and feed both the "runs on both
-ranks" and the loss tests (suite time); the stage-0 dense run, AlexNet's ``train_base`` and
-BERT's resume are ``@pytest.mark.slow``. The CIFAR-10
+ranks" and the loss tests (suite time); the stage-0 dense run, AlexNet (with and without the
+pipeline) and BERT are ``@pytest.mark.slow``. The CIFAR-10
 script's per-step losses under DeepSpeed 0.19.8 itself must equal ours (same weights, same
 data order, same RNG draws - top-2 gating samples noise from the global generator): within
 1e-6 without MoE and with top-1 and top-2 MoE. DeepSpeed's losses are recorded in
@@ -63,6 +63,8 @@ def test_cifar10_tutorial_stage0(tmp_path: Path) -> None:
     assert "rank 0: finished 6 steps" in out and "rank 1: finished 6 steps" in out
 
 
+# Suite time: the pipeline engine's parity is in make test (tests/dist/test_pipe*.py)
+@pytest.mark.slow
 def test_pipeline_alexnet_tutorial(tmp_path: Path) -> None:
     config = str(TUTORIALS / "ds_config_pipeline.json")
     _launch("pipeline_alexnet.py", "--deepspeed_config", config, "-s", "3", cwd=tmp_path)
@@ -87,6 +89,9 @@ def _bert_first_run(tmp_path: Path) -> list[str]:
     return common
 
 
+# Suite time: WarmupDecayLR (test_deepspeed_api_dist.py), ZeRO 2 (the CIFAR-10 tutorial above)
+# and save_checkpoint (test_checkpoint*.py) run in make test
+@pytest.mark.slow
 def test_bert_mlm_tutorial_trains_and_saves(tmp_path: Path) -> None:
     _bert_first_run(tmp_path)
 

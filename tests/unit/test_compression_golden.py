@@ -40,6 +40,7 @@ from torch import nn
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "goldens" / "compression"
 NUM_STEPS = 10
+LR = 1e-2
 NUM_HEADS = 4
 
 CONFIG: dict[str, Any] = {
@@ -197,6 +198,24 @@ class TinyBert(nn.Module):
 # -- the script --------------------------------------------------------------------------------
 
 
+def _noise_driven_parameters() -> set[str]:
+    """The key projections' biases: their exact gradient is zero (adding ``q . b_k`` to every
+    score of a query leaves the softmax over keys unchanged), so what reaches them is
+    rounding noise, ~1e-9 against ~1e-2 for the query and value biases (checked here)."""
+    torch.manual_seed(0)
+    model = TinyBert()
+    data = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 32, (8, 6), generator=data)
+    labels = torch.randint(0, 3, (8,), generator=data)
+    nn.functional.cross_entropy(model(tokens), labels).backward()
+    keys = set()
+    for i in range(2):
+        attn = model.get_submodule(f"encoder.layer.{i}.attention.self")
+        assert attn.key.bias.grad.abs().max() < 1e-6 * attn.query.bias.grad.abs().max()
+        keys.add(f"encoder.layer.{i}.attention.self.key.bias")
+    return keys
+
+
 def run_script(backend: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The compression script; ``backend`` supplies the library's calls."""
     torch.manual_seed(0)
@@ -204,7 +223,7 @@ def run_script(backend: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch
     model = backend["init_compression"](model, CONFIG)
     rng_probe = torch.rand(1).item()  # same number of global draws as DeepSpeed?
     stepper = backend["stepper"](model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     data = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 32, (NUM_STEPS, 8, 6), generator=data)
     labels = torch.randint(0, 3, (NUM_STEPS, 8), generator=data)
@@ -452,7 +471,15 @@ def test_compression_script_matches_deepspeed_0196(tmp_path: Path) -> None:
         saved_per_layer
     )
     torch.testing.assert_close(result["losses"], golden["losses"], rtol=1e-5, atol=1e-6)
+    noise_only = _noise_driven_parameters()
     for key, value in golden_state.items():
+        if key in noise_only:
+            # Adam turns this parameter's rounding-noise gradient into lr-sized steps whose
+            # signs depend on the CPU's summation order (AVX2 and AVX-512 GEMMs differ), so
+            # it is checked against Adam's reach, not the recording machine's noise.
+            assert torch.isfinite(state[key]).all(), key
+            assert (state[key] - value).abs().max() <= 2 * NUM_STEPS * LR, key
+            continue
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
     torch.testing.assert_close(
         result["logits_before_clean"], golden["logits_before_clean"], rtol=1e-5, atol=1e-6

@@ -160,12 +160,23 @@ def _ninja_on_path() -> Iterator[None]:
             "ninja is not installed (torch.utils.cpp_extension needs it to build the kernel). "
             "Fix: `pip install ninja` in this environment."
         )
-    old = os.environ.get("PATH", "")
-    os.environ["PATH"] = search + os.pathsep + old
+    with _path_lock:  # builds may run side by side in threads: one edit, undone by the last
+        if _path_users[0] == 0:
+            _path_saved[0] = os.environ.get("PATH", "")
+            os.environ["PATH"] = search + os.pathsep + _path_saved[0]
+        _path_users[0] += 1
     try:
         yield
     finally:
-        os.environ["PATH"] = old
+        with _path_lock:
+            _path_users[0] -= 1
+            if _path_users[0] == 0:
+                os.environ["PATH"] = _path_saved[0]
+
+
+_path_lock = threading.Lock()
+_path_users = [0]
+_path_saved = [""]
 
 
 @contextlib.contextmanager
@@ -191,7 +202,8 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 
 _loaded: ModuleType | CpuAdamBuildError | None = None
-_load_lock = threading.Lock()
+_adam_lock = threading.Lock()
+_load_lock = threading.Lock()  # guards _source_locks
 
 
 def load_cpu_adam() -> ModuleType:
@@ -205,7 +217,7 @@ def load_cpu_adam() -> ModuleType:
             (the message carries the end of the compiler output).
     """
     global _loaded
-    with _load_lock:
+    with _adam_lock:
         if _loaded is None:
             try:
                 _loaded = _build_and_load()
@@ -280,6 +292,7 @@ def _build_and_load(
 
 
 _extensions: dict[Path, ModuleType | NativeBuildError] = {}
+_source_locks: dict[Path, threading.Lock] = {}
 
 
 def load_extension(source: Path, prefix: str, what: str) -> ModuleType:
@@ -292,7 +305,9 @@ def load_extension(source: Path, prefix: str, what: str) -> ModuleType:
     Raises:
         NativeBuildError: not a POSIX system, no compiler, no ninja, or the build failed.
     """
-    with _load_lock:
+    with _load_lock:  # one lock per source: different kernels build side by side
+        source_lock = _source_locks.setdefault(source, threading.Lock())
+    with source_lock:
         if source not in _extensions:
             try:
                 _extensions[source] = _build_and_load(source, prefix, what, NativeBuildError)

@@ -92,12 +92,20 @@ def _switched_on() -> bool:
     return value in ("1", "true", "on")
 
 
+def _cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512F: without it the kernel has no code path, so it is not
+    built (a ~20 s compile that would serve no dtype)."""
+    from shardspeed.ops.cpu_adam.builder import cpu_isa_flags
+
+    return "avx512f" in cpu_isa_flags().split()
+
+
 def kernel_dtypes() -> frozenset[torch.dtype]:
     """The weight dtypes the kernel serves in this process (empty: none), resolved once:
     switched off by the environment, not built, or no AVX-512 (-BF16) on this CPU."""
     if _state["dtypes"] is None:
         dtypes: frozenset[torch.dtype] = frozenset()
-        if _switched_on():
+        if _switched_on() and _cpu_has_avx512():
             from shardspeed.ops.cpu_adam.builder import NativeBuildError
 
             try:
