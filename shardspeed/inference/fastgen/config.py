@@ -86,9 +86,11 @@ class EngineConfig:
         max_lora_rank: largest adapter rank accepted (with ``enable_lora``).
         cpu_prepack: pack ``nn.Linear`` weights once for oneDNN on CPU (see
             :mod:`~shardspeed.inference.fastgen.cpu_prepack`): None (auto) packs bf16/fp16
-            weights (bitwise equal to ``F.linear``) and fp32 on AVX-512 CPUs (rounding
-            differs by ~1e-6 relative), True every dtype, False never; the packed copies
-            double the weight memory.
+            weights (bitwise equal to ``F.linear``; on an AVX2 CPU without oneDNN kernels
+            for them as an fp32 copy, multiplied in fp32: within one bf16/fp16 step, 3x the
+            16-bit weight memory) and fp32 on AVX-512 and AVX2 CPUs (rounding differs by
+            ~1e-6 relative), True every dtype, False never; the packed copies double the
+            weight memory.
     """
 
     block_size: int | None = None

@@ -11,9 +11,17 @@ a 32000 x 384 bf16 LM head on one row 1.97 -> 0.28 ms, a 2048 x 384 projection o
 Numerics: in bf16 (and fp16) the packed product is bitwise equal to ``F.linear`` (the same
 kernel); in fp32 oneDNN's GEMM sums in another order than MKL's (relative differences
 about 1e-6, as between MKL runs with different thread counts). fp32 is packed by default on
-AVX-512 CPUs, where it was measured faster (offline 1.25x, batch-1 1.5x on a 31M Llama;
-docs/serving.md; every FastGen fp32 token test against HF ``generate`` passes with it), and
-opt-in elsewhere; ``cpu_prepack=False`` keeps ``F.linear``'s numerics. Products of at most
+AVX-512 and AVX2 CPUs, where it was measured faster (AVX-512: offline 1.25x, batch-1 1.5x on
+a 31M Llama; AVX2: offline 1.3x, batch-1 1.2x; docs/serving.md; every FastGen fp32 token test
+against HF ``generate`` passes with it), and opt-in elsewhere; ``cpu_prepack=False`` keeps
+``F.linear``'s numerics.
+
+*Widened* bf16 / fp16 (an AVX2 CPU, no oneDNN kernels for them): ``F.linear`` there converts
+element by element (a 31M Llama served bf16 at 0.3x its fp32 speed), so the weight is packed
+as fp32 (exact) and a product of two or more rows sums the exact products in fp32 and rounds
+once to the dtype, within one step of the dtype of ``F.linear`` (offline 3.7x the unpacked
+bf16 engine on a 31M Llama); one row keeps ``F.linear`` (torch's GEMV reads half the bytes of
+the fp32 copy). The fp32 copy is twice the 16-bit weight's memory. Products of at most
 :func:`~shardspeed.ops.cpu_gemv.max_rows` rows (bf16: up to 4, fp32: 2; decode at small batch,
 a speculative verify) skip oneDNN for :mod:`~shardspeed.ops.cpu_gemv`, which streams the
 parameter as stored (1.2-1.6x faster at those rows; fp32 accumulation in its own order, the
@@ -84,8 +92,9 @@ def resolve_prepack(
                 "Fix: leave cpu_prepack unset (None) or False."
             )
         return ()
-    if requested is None:  # bf16/fp16 where F.linear runs the same oneDNN kernel; fp32 measured
-        return tuple(d for d in (*_native_dtypes(), *_fp32_by_default()) if d == dtype)
+    if requested is None:  # bf16/fp16 natively or widened where measured; fp32 measured
+        auto = (*_native_dtypes(), *_widened_dtypes(), *_fp32_by_default())
+        return tuple(d for d in auto if d == dtype)
     return _ALL_DTYPES
 
 
@@ -101,10 +110,25 @@ def _native_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(native)
 
 
+def _capability() -> str:
+    return getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+
+
 def _fp32_by_default() -> tuple[torch.dtype, ...]:
-    """fp32 where packing was measured faster than MKL's ``F.linear``: AVX-512 CPUs."""
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
-    return (torch.float32,) if capability.startswith("AVX512") else ()
+    """fp32 where packing was measured faster than MKL's ``F.linear``: AVX-512 and AVX2 CPUs
+    (AVX2, AMD EPYC 7xx3, 2 threads: a 32000 x 384 head at 32 rows 6.7 vs 15.6 ms)."""
+    return (torch.float32,) if _capability().startswith(("AVX512", "AVX2")) else ()
+
+
+def _widened_dtypes() -> tuple[torch.dtype, ...]:
+    """bf16 / fp16 on an x86 CPU without oneDNN kernels for them (AVX2): ``F.linear`` then
+    runs a scalar-converting GEMM (2048 x 384 at 32 rows: 3.5 ms against 0.40 ms for oneDNN's
+    fp32 product), so the packed forward multiplies in fp32 on an fp32 copy of the weight
+    and rounds the output to the dtype (see :class:`_PackedForward`)."""
+    if not _capability().startswith("AVX2"):
+        return ()
+    native = _native_dtypes()
+    return tuple(d for d in (torch.bfloat16, torch.float16) if d not in native)
 
 
 # The row count oneDNN is told to expect when it lays out an fp32 weight. Packed for 1 row,
@@ -126,8 +150,12 @@ class _PackedForward:
 
     def _pack(self) -> None:
         weight = self.module.weight
-        rows = FP32_PACK_ROWS if weight.dtype == torch.float32 else 1
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+        # widened: a bf16 / fp16 weight on a CPU without oneDNN kernels for it is packed as
+        # fp32 (exact: every bf16 / fp16 value is an fp32 value) and multiplied in fp32
+        self.widened = weight.dtype != torch.float32 and weight.dtype not in _native_dtypes()
+        source = weight.detach().float() if self.widened else weight.detach()
+        rows = FP32_PACK_ROWS if source.dtype == torch.float32 else 1
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(source, rows)
         self.key = (weight._version, weight.data_ptr())
         bias = self.module.bias
         # a few rows (decode at batch 1-4, a speculative verify) read the weight as stored,
@@ -147,7 +175,15 @@ class _PackedForward:
             flat = x.reshape(-1, x.shape[-1]).contiguous()
             out = cpu_gemv.linear(flat, weight, self.module.bias)
             return out.view(*x.shape[:-1], weight.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.module.bias, "none", [], "")
+        bias = self.module.bias
+        if self.widened:
+            if x.numel() == x.shape[-1]:  # one row: torch's GEMV reads the 16-bit weight,
+                return nn.functional.linear(x, weight, bias)  # half the fp32 copy's bytes
+            # fp32 sums of the exact products, rounded once to the dtype
+            bias = None if bias is None else bias.float()
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.packed, bias, "none", [], "")
+            return out.to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
 def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:

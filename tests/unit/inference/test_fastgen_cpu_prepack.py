@@ -8,9 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastgen_helpers import engine_for
 
+from shardspeed.inference.fastgen import cpu_prepack
 from shardspeed.inference.fastgen.cpu_prepack import (
     _fp32_by_default,
     _native_dtypes,
+    _widened_dtypes,
     is_prepacked,
     prepack_linears,
     resolve_prepack,
@@ -39,7 +41,50 @@ def test_decisions() -> None:
     assert _resolve(None, compiled=True) == ()  # Inductor packs its own
     assert _resolve(None, offloaded=True) == ()  # streamed layers would repack per load
     assert _resolve(None, device=torch.device("cuda")) == ()
-    assert _resolve(None) == tuple(d for d in _native_dtypes() if d == torch.bfloat16)
+    auto_16 = (*_native_dtypes(), *_widened_dtypes())
+    assert _resolve(None) == tuple(d for d in auto_16 if d == torch.bfloat16)
+    assert _resolve(None, torch.float16) == tuple(d for d in auto_16 if d == torch.float16)
+    assert not set(_native_dtypes()) & set(_widened_dtypes())
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_widened_forward_without_native_16_bit_kernels(monkeypatch, dtype) -> None:
+    """On a CPU without oneDNN bf16 / fp16 kernels (AVX2) the weight is packed as fp32: a
+    product of several rows sums the exact products in fp32 and rounds once (within one
+    step of the dtype of the exact result); one row goes to ``F.linear`` (torch's GEMV on
+    the 16-bit weight), bitwise; in-place updates are followed."""
+    monkeypatch.setattr(cpu_prepack, "_native_dtypes", lambda: ())  # every CPU takes the path
+    torch.manual_seed(0)
+    layer = nn.Linear(384, 80).to(dtype).requires_grad_(False)
+    assert prepack_linears(nn.Sequential(layer), (dtype,)) == 1
+    assert layer.forward.widened  # type: ignore[attr-defined]
+
+    def exact(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.double(), layer.weight.double(), layer.bias.double())
+
+    def bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """One step of the dtype at the result, plus fp32 summation's worst case over the
+        384 products (384 * 2^-24 * sum |x w|; it matters for results near zero)."""
+        exponent = torch.frexp(ref.abs().clamp_min(1e-30))[1].double()
+        mantissa = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+        step = torch.ldexp(torch.ones_like(ref), exponent - mantissa - 1)
+        terms = F.linear(x.double().abs(), layer.weight.double().abs(), layer.bias.double().abs())
+        return step + 384 * 2.0**-24 * terms
+
+    for rows in (2, 5, 33):
+        x = torch.randn(rows, 384).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (rows, 80)
+        ref = exact(x)
+        assert ((out.double() - ref).abs() <= bound(x, ref)).all()
+    one = torch.randn(1, 384).to(dtype)
+    assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))
+    with torch.no_grad():
+        layer.weight.mul_(-2.0)  # an in-place update must not be served stale
+    x = torch.randn(4, 384).to(dtype)
+    ref = exact(x)
+    assert ((layer(x).double() - ref).abs() <= bound(x, ref)).all()
 
 
 @pytest.mark.parametrize(
