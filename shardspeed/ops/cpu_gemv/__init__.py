@@ -16,10 +16,16 @@ beside one other. It is not oneDNN's order: fp32 results differ from ``F.linear`
 rounding, bf16 outputs by at most one bf16 step where the sums straddle a rounding boundary
 (as oneDNN's own 1-row and 5-row products already do).
 
+On a CPU with AVX2 + FMA and no AVX-512 (AMD Zen 2/3, for one) the kernel runs 8-lane
+vectors, two accumulators per output (16 partial sums, as with AVX-512 but in another order),
+bf16 and int8 weights widened to fp32 exactly. There it is 1.8-2.3x torch's bf16 ``F.linear``
+at one row and 1.2-2.5x oneDNN's fp32 product on the widened weight at 1-4 rows (EPYC 7xx3,
+2 threads, 200M-Llama and 31M shapes; docs/inference.md).
+
 The kernel is JIT-built on first use and cached
 (:func:`shardspeed.ops.cpu_adam.builder.load_extension`); a build failure, a CPU without
-AVX-512 (fp32) or AVX-512-BF16 (bf16), or ``SHARDSPEED_FASTGEN_GEMV_CPU=0`` leaves every
-product on oneDNN.
+AVX-512 or AVX2 + FMA (an AVX-512 CPU serves bf16 only with AVX-512-BF16), or
+``SHARDSPEED_FASTGEN_GEMV_CPU=0`` leaves every product on oneDNN.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ _ENV = "SHARDSPEED_FASTGEN_GEMV_CPU"
 #   1-row decode, and its logits are bitwise those the 1-row decode would get.
 # - fp32: 1.2-1.9x at 1-2 rows; from 3 rows oneDNN's kernel for its 32-row layout wins (200M,
 #   2 threads: 0.66-0.92x at 3-4 rows on most shapes).
+# The AVX2 path (EPYC 7xx3, 2 threads) fits the same limits: bf16 at 1-4 rows 1.2-2.4x the
+# oneDNN fp32 product on the widened weight where the activations fit (0.9-1.1x on the
+# 2816-wide down projection at 3-4 rows), fp32 1.1-2.1x at 1-2 rows and mixed at 3-4.
 MAX_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float32: 2}
 # Beyond 2 rows, the kernel serves a product only while its activation rows fit in this many
 # bytes (they are re-read for every weight row, from L1 when they fit beside the stream).
@@ -92,12 +101,13 @@ def _switched_on() -> bool:
     return value in ("1", "true", "on")
 
 
-def _cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512F: without it the kernel has no code path, so it is not
-    built (a ~20 s compile that would serve no dtype)."""
+def _cpu_has_vector_path() -> bool:
+    """Whether this CPU has AVX-512F or AVX2 + FMA: without them the kernel has no code path,
+    so it is not built (a ~20 s compile that would serve no dtype)."""
     from shardspeed.ops.cpu_adam.builder import cpu_isa_flags
 
-    return "avx512f" in cpu_isa_flags().split()
+    flags = set(cpu_isa_flags().split())
+    return "avx512f" in flags or {"avx2", "fma"} <= flags
 
 
 def kernel_dtypes() -> frozenset[torch.dtype]:
@@ -105,7 +115,7 @@ def kernel_dtypes() -> frozenset[torch.dtype]:
     switched off by the environment, not built, or no AVX-512 (-BF16) on this CPU."""
     if _state["dtypes"] is None:
         dtypes: frozenset[torch.dtype] = frozenset()
-        if _switched_on() and _cpu_has_avx512():
+        if _switched_on() and _cpu_has_vector_path():
             from shardspeed.ops.cpu_adam.builder import NativeBuildError
 
             try:

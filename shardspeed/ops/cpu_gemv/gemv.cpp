@@ -30,8 +30,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+
+// AVX2 + FMA without AVX-512 (e.g. AMD Zen 2/3): 8-lane vectors, two accumulators per row so
+// each output still has 16 lane-wise partial sums over k; a bf16 weight is widened to fp32
+// exactly (a 16-bit shift) and multiplied by the activations widened once per call, so every
+// product is exact in fp32 and only the additions round, in an order fixed per output.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define SS_GEMV_AVX2 1
 #endif
 
 namespace {
@@ -76,6 +84,113 @@ inline void bf16_row(const uint16_t* __restrict w, const uint16_t* __restrict x,
       acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
   }
   for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+
+#if defined(SS_GEMV_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 weights as fp32: fp32 loaded, bf16 widened by a 16-bit shift (exact).
+inline __m256 w8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 w8(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 w8(const int8_t* w) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+
+// The last n < 8 elements, zero-padded.
+template <typename TW>
+inline __m256 w8_tail(const TW* w, int64_t n) {
+  TW buf[8] = {};
+  for (int64_t i = 0; i < n; ++i) buf[i] = w[i];
+  return w8(buf);
+}
+inline __m256 x8_tail(const float* x, int64_t n) {
+  float buf[8] = {};
+  for (int64_t i = 0; i < n; ++i) buf[i] = x[i];
+  return _mm256_loadu_ps(buf);
+}
+
+// sums[m] = sum_k w[k] x[m * K + k]; x is fp32 (bf16 activations are widened by the caller).
+template <typename TW, int M>
+inline void avx2_row(const TW* __restrict w, const float* __restrict x, int64_t K, float* sums) {
+  __m256 lo[M], hi[M];
+  for (int m = 0; m < M; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 a = w8(w + k), b = w8(w + k + 8);
+    for (int m = 0; m < M; ++m) {
+      lo[m] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + m * K + k), lo[m]);
+      hi[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(x + m * K + k + 8), hi[m]);
+    }
+  }
+  if (k + 8 <= K) {
+    const __m256 a = w8(w + k);
+    for (int m = 0; m < M; ++m) lo[m] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + m * K + k), lo[m]);
+    k += 8;
+  }
+  if (k < K) {
+    const __m256 b = w8_tail(w + k, K - k);
+    for (int m = 0; m < M; ++m) hi[m] = _mm256_fmadd_ps(b, x8_tail(x + m * K + k, K - k), hi[m]);
+  }
+  for (int m = 0; m < M; ++m) sums[m] = hsum8(_mm256_add_ps(lo[m], hi[m]));
+}
+
+template <typename TW, int M>
+inline void avx2_passes(const TW* w, const float* x, int64_t K, float* sums) {
+  if constexpr (M <= 2) {
+    avx2_row<TW, M>(w, x, K, sums);
+  } else {
+    avx2_row<TW, 2>(w, x, K, sums);
+    avx2_passes<TW, M - 2>(w, x + 2 * K, K, sums + 2);
+  }
+}
+
+// One thread's output rows [begin, end): T is the weight / bias / output dtype.
+template <typename T, int M>
+void avx2_rows(const T* w, const float* x, const T* bias, T* out, int64_t N, int64_t K,
+               int64_t begin, int64_t end) {
+  using TW = std::conditional_t<std::is_same_v<T, float>, float, uint16_t>;
+  float sums[M];
+  for (int64_t n = begin; n < end; ++n) {
+    avx2_passes<TW, M>(reinterpret_cast<const TW*>(w + n * K), x, K, sums);
+    const float b = bias != nullptr ? static_cast<float>(bias[n]) : 0.0f;
+    for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<T>(sums[m] + b);
+  }
+}
+
+// int8 weight rows [begin, end) with per-row scales (T: activation / scale / output dtype).
+template <typename T, int M>
+void avx2_int8_rows(const int8_t* q, const float* x, const T* scales, T* out, int64_t N,
+                    int64_t K, int64_t begin, int64_t end) {
+  float sums[M];
+  for (int64_t n = begin; n < end; ++n) {
+    avx2_passes<int8_t, M>(q + n * K, x, K, sums);
+    const float s = static_cast<float>(scales[n]);
+    for (int m = 0; m < M; ++m) out[m * N + n] = static_cast<T>(sums[m] * s);
+  }
+}
+
+template <typename T>
+void avx2_dispatch(const T* w, const float* x, const T* bias, T* out, int64_t M, int64_t N,
+                   int64_t K) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: avx2_rows<T, 1>(w, x, bias, out, N, K, begin, end); break;
+      case 2: avx2_rows<T, 2>(w, x, bias, out, N, K, begin, end); break;
+      case 3: avx2_rows<T, 3>(w, x, bias, out, N, K, begin, end); break;
+      default: avx2_rows<T, 4>(w, x, bias, out, N, K, begin, end); break;
+    }
+  });
 }
 #endif
 
@@ -188,13 +303,13 @@ void dispatch(const T* w, const T* x, const T* bias, T* out, int64_t M, int64_t 
 
 }  // namespace
 
-// The dtypes this build has a kernel for (empty on a CPU without AVX-512).
+// The dtypes this build has a kernel for (empty on a CPU without AVX-512 or AVX2 + FMA).
 std::vector<std::string> dtypes() {
   std::vector<std::string> out;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SS_GEMV_AVX2)
   out.emplace_back("float32");
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if (defined(__AVX512BF16__) && defined(__AVX512BW__)) || defined(SS_GEMV_AVX2)
   out.emplace_back("bfloat16");
 #endif
   return out;
@@ -228,6 +343,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
     using B = c10::BFloat16;
     dispatch<B>(w.data_ptr<B>(), x.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : nullptr,
                 out.data_ptr<B>(), M, N, K);
+    return out;
+  }
+#endif
+#if defined(SS_GEMV_AVX2)
+  if (x.scalar_type() == at::kFloat) {
+    avx2_dispatch<float>(w.data_ptr<float>(), x.data_ptr<float>(),
+                         has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, N,
+                         K);
+    return out;
+  }
+  if (x.scalar_type() == at::kBFloat16) {
+    using B = c10::BFloat16;
+    const at::Tensor x32 = x.to(at::kFloat);  // exact; once per call, not per weight row
+    avx2_dispatch<B>(w.data_ptr<B>(), x32.data_ptr<float>(),
+                     has_bias ? bias->data_ptr<B>() : nullptr, out.data_ptr<B>(), M, N, K);
     return out;
   }
 #endif
@@ -269,6 +399,31 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   if (x.scalar_type() == at::kBFloat16) {
     using B = c10::BFloat16;
     run(x.data_ptr<B>(), scales.data_ptr<B>(), out.data_ptr<B>());
+    return out;
+  }
+#endif
+#if defined(SS_GEMV_AVX2)
+  if (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) {
+    const at::Tensor x32 = x.to(at::kFloat);  // exact; once per call
+    const int8_t* qp = q.data_ptr<int8_t>();
+    const float* xp = x32.data_ptr<float>();
+    auto run = [&](auto* sp, auto* op) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(sp)>>;
+      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        switch (M) {
+          case 1: avx2_int8_rows<T, 1>(qp, xp, sp, op, N, K, begin, end); break;
+          case 2: avx2_int8_rows<T, 2>(qp, xp, sp, op, N, K, begin, end); break;
+          case 3: avx2_int8_rows<T, 3>(qp, xp, sp, op, N, K, begin, end); break;
+          default: avx2_int8_rows<T, 4>(qp, xp, sp, op, N, K, begin, end); break;
+        }
+      });
+    };
+    if (x.scalar_type() == at::kFloat) {
+      run(scales.data_ptr<float>(), out.data_ptr<float>());
+    } else {
+      using B = c10::BFloat16;
+      run(scales.data_ptr<B>(), out.data_ptr<B>());
+    }
     return out;
   }
 #endif
