@@ -43,6 +43,9 @@ def _oracle(source: str, stage: int, tmp_path: Path) -> None:
     assert [r["shapes"][q][0] for r in ours] == [16, 16, 0, 0]  # the layout under test
 
 
+# Suite time: AutoTP against DeepSpeed's losses runs in make test at tp 2
+# (test_autotp_deepspeed_losses.py) and the zero-width layout's parity and resharding below
+@pytest.mark.slow
 @pytest.mark.parametrize("source", golden.ORACLE_SOURCES)
 def test_zero_width_autotp_matches_deepspeed_losses(source: str, tmp_path: Path) -> None:
     _oracle(source, 1, tmp_path)

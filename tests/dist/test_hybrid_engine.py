@@ -119,6 +119,7 @@ def _no_generate() -> None:
         shardspeed.initialize(model=model, config=config)
 
 
+@pytest.mark.slow  # suite time: the hybrid engine's parity tests above run in make test
 def test_ppo_example_runs_on_two_ranks() -> None:
     import socket
     import subprocess
