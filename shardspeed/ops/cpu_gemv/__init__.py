@@ -18,9 +18,9 @@ rounding, bf16 outputs by at most one bf16 step where the sums straddle a roundi
 
 On a CPU with AVX2 + FMA and no AVX-512 (AMD Zen 2/3, for one) the kernel runs 8-lane
 vectors, two accumulators per output (16 partial sums, as with AVX-512 but in another order),
-bf16 and int8 weights widened to fp32 exactly. There it is 1.8-2.3x torch's bf16 ``F.linear``
-at one row and 1.2-2.5x oneDNN's fp32 product on the widened weight at 1-4 rows (EPYC 7xx3,
-2 threads, 200M-Llama and 31M shapes; docs/inference.md).
+bf16 and int8 weights widened to fp32 exactly. There, in bf16, it is 1.7-2.3x torch's
+``F.linear`` at one row and 1.4-2.6x oneDNN's fp32 product on the widened weight at 1-2 rows
+(EPYC 7xx3, 2 threads, 200M-Llama and 31M shapes; docs/inference.md).
 
 The kernel is JIT-built on first use and cached
 (:func:`shardspeed.ops.cpu_adam.builder.load_extension`); a build failure, a CPU without
@@ -54,9 +54,10 @@ _ENV = "SHARDSPEED_FASTGEN_GEMV_CPU"
 #   1-row decode, and its logits are bitwise those the 1-row decode would get.
 # - fp32: 1.2-1.9x at 1-2 rows; from 3 rows oneDNN's kernel for its 32-row layout wins (200M,
 #   2 threads: 0.66-0.92x at 3-4 rows on most shapes).
-# The AVX2 path (EPYC 7xx3, 2 threads) fits the same limits: bf16 at 1-4 rows 1.2-2.4x the
-# oneDNN fp32 product on the widened weight where the activations fit (0.9-1.1x on the
-# 2816-wide down projection at 3-4 rows), fp32 1.1-2.1x at 1-2 rows and mixed at 3-4.
+# The AVX2 path (EPYC 7xx3, 2 threads) fits the same limits: bf16 1.4-2.6x the oneDNN fp32
+# product on the widened weight at 1-2 rows and 1.7-2.0x at 4 rows with K <= 1024 (0.9-1.0x
+# on the 2816-wide down projection at 3-4 rows, which the 16 KiB bound keeps at 2); fp32
+# 1.1-3.3x at 1-2 rows and mixed at 3-4.
 MAX_ROWS: dict[torch.dtype, int] = {torch.bfloat16: 4, torch.float32: 2}
 # Beyond 2 rows, the kernel serves a product only while its activation rows fit in this many
 # bytes (they are re-read for every weight row, from L1 when they fit beside the stream).
