@@ -26,6 +26,13 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);  // torch's vectorised exp (libtorch_cpu exports it)
+#define SS_PD_TILED 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA without AVX-512 (AMD Zen 2/3, for one): the same tiled path on 8-lane vectors,
+// tiles of 8 keys.
+#include <immintrin.h>
+#define SS_PD_AVX2 1
+#define SS_PD_TILED 1
 #endif
 
 #include <ATen/Parallel.h>
@@ -148,7 +155,7 @@ inline __m512 sum16(const __m512* v) {
 
 // out[j] = <q, tile[j]> for the 16 fp32 rows tile + j * stride (rows past the keys: any
 // finite values).
-inline void dots16(const float* q, const float* tile, int64_t stride, int64_t d, float* out) {
+inline void dots_tile(const float* q, const float* tile, int64_t stride, int64_t d, float* out) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   int64_t c = 0;
@@ -189,6 +196,106 @@ inline void weighted_rows(const float* w, const float* tile, int64_t stride, int
                           _mm512_maskz_loadu_ps(tail, tile + j * stride + c), a);
     }
     _mm512_mask_storeu_ps(acc + c, tail, a);
+  }
+}
+#elif defined(SS_PD_AVX2)
+// Lanes [0, n) of 8 set (n <= 8).
+inline __m256i lanes8(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  if (i < n) {
+    const __m256i tail = lanes8(n - i);
+    acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + i, tail), _mm256_maskload_ps(b + i, tail), acc);
+  }
+  return hsum8(acc);
+}
+
+inline void axpy(float w, const float* x, float* y, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  }
+  if (i < n) {
+    const __m256i tail = lanes8(n - i);
+    _mm256_maskstore_ps(
+        y + i, tail,
+        _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + i, tail), _mm256_maskload_ps(y + i, tail)));
+  }
+}
+
+inline void prefetch_rows(const void* p, int64_t bytes) {  // as in the AVX-512 path
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
+// The 8 horizontal sums of v[0..7], as one vector in key order: two rounds of pairwise adds
+// within 128-bit halves, then the halves added.
+inline __m256 sum8(const __m256* v) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // u0's low half: v[0..3] summed over elements 0-3; its high half: over elements 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[j] = <q, tile[j]> for the 8 fp32 rows tile + j * stride (rows past the keys: any
+// finite values).
+inline void dots_tile(const float* q, const float* tile, int64_t stride, int64_t d, float* out) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(tile + j * stride + c), acc[j]);
+    }
+  }
+  if (c < d) {
+    const __m256i tail = lanes8(d - c);
+    const __m256 qv = _mm256_maskload_ps(q + c, tail);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(tile + j * stride + c, tail), acc[j]);
+    }
+  }
+  _mm256_storeu_ps(out, sum8(acc));
+}
+
+// acc += sum_j w[j] * tile[j] over the first n fp32 rows tile + j * stride.
+inline void weighted_rows(const float* w, const float* tile, int64_t stride, int64_t n, int64_t d,
+                          float* acc) {
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    __m256 a = _mm256_loadu_ps(acc + c);
+    for (int64_t j = 0; j < n; ++j) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(tile + j * stride + c), a);
+    }
+    _mm256_storeu_ps(acc + c, a);
+  }
+  if (c < d) {
+    const __m256i tail = lanes8(d - c);
+    __m256 a = _mm256_maskload_ps(acc + c, tail);
+    for (int64_t j = 0; j < n; ++j) {
+      a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_maskload_ps(tile + j * stride + c, tail),
+                          a);
+    }
+    _mm256_maskstore_ps(acc + c, tail, a);
   }
 }
 #else
@@ -261,8 +368,15 @@ inline void softmax_row(float* s, int64_t n, float scale, float softcap, float* 
   *inv_total = 1.f / total;
 }
 
-#if defined(__AVX512F__)
-// One tile of up to 16 consecutive keys (or values) of one sequence inside one block, as
+#if defined(SS_PD_TILED)
+// Keys per tile: one vector of scores (16 with AVX-512, 8 with AVX2).
+#if defined(SS_PD_AVX2)
+constexpr int64_t kTile = 8;
+#else
+constexpr int64_t kTile = 16;
+#endif
+
+// One tile of up to kTile consecutive keys (or values) of one sequence inside one block, as
 // fp32 rows for the heads h0 .. h0 + group: head hh's row j is at
 // `rows + hh * head_step + j * stride`.
 struct Tile {
@@ -271,20 +385,20 @@ struct Tile {
 };
 
 // The tile starting at key p (the next tile's rows prefetched): converted into `buf`
-// ([group, 16, D]), or read in place for an fp32 cache when the tile has at least
-// `in_place_rows` keys (a reader of all 16 rows must not run past a short tile's block).
+// ([group, kTile, D]), or read in place for an fp32 cache when the tile has at least
+// `in_place_rows` keys (a reader of all kTile rows must not run past a short tile's block).
 template <typename T>
 Tile load_tile(const T* cache, const int64_t* blocks, int64_t p, int64_t ctx,
                int64_t block_size, int64_t num_kv, int64_t h0, int64_t group, int64_t head_dim,
                int64_t in_place_rows, float* buf) {
   const int64_t row_elems = num_kv * head_dim;
-  const int64_t stop = std::min({ctx, (p / block_size + 1) * block_size, p + 16});
+  const int64_t stop = std::min({ctx, (p / block_size + 1) * block_size, p + kTile});
   const int64_t nt = stop - p;
   const T* first = cache + (blocks[p / block_size] * block_size + p % block_size) * row_elems +
                    h0 * head_dim;
   if (stop < ctx) {  // the next tile is in another block, which no prefetcher predicts
     const int64_t next = blocks[stop / block_size] * block_size + stop % block_size;
-    for (int64_t j = 0; j < std::min<int64_t>(16, ctx - stop); ++j) {
+    for (int64_t j = 0; j < std::min<int64_t>(kTile, ctx - stop); ++j) {
       prefetch_rows(cache + (next + j) * row_elems + h0 * head_dim,
                     group * head_dim * static_cast<int64_t>(sizeof(T)));
     }
@@ -298,17 +412,17 @@ Tile load_tile(const T* cache, const int64_t* blocks, int64_t p, int64_t ctx,
   }
   for (int64_t j = 0; j < nt; ++j) {  // each row read once, all heads of the item
     for (int64_t hh = 0; hh < group; ++hh) {
-      load_float<T>(first + j * row_elems + hh * head_dim, buf + (hh * 16 + j) * head_dim,
+      load_float<T>(first + j * row_elems + hh * head_dim, buf + (hh * kTile + j) * head_dim,
                     head_dim);
     }
   }
-  return {buf, 16 * head_dim, head_dim, nt, stop};
+  return {buf, kTile * head_dim, head_dim, nt, stop};
 }
 #endif
 
-// Keys per sequence up to which the AVX-512 path scores tiles of 16 keys (measured 1.2-2.5x
-// the per-key loop for 8-24 decodes of 30-380 keys); longer contexts keep the per-key
-// loop, which measured faster for 64 decodes of 100-1000 keys (DRAM-bound there).
+// Keys per sequence up to which the vector path scores tiles of kTile keys (AVX-512: measured
+// 1.2-2.5x the per-key loop for 8-24 decodes of 30-380 keys); longer contexts keep the
+// per-key loop, which measured faster for 64 decodes of 100-1000 keys (DRAM-bound there).
 constexpr int64_t kMaxTiledContext = 512;
 
 template <typename T>
@@ -338,7 +452,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     const int64_t rows = group * rep;  // query heads of one item
     std::vector<float> qf(rows * head_dim), row(head_dim), acc(rows * head_dim), inv_sum(rows);
     std::vector<float> scores;
-    std::vector<float> tile(group * 16 * head_dim);  // [group, 16, D]: key or value rows, fp32
+    std::vector<float> tile(group * 16 * head_dim);  // [group, kTile, D]: key or value rows, fp32
     alignas(64) float tile_scores[16];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t g = item / runs, h0 = (item % runs) * group;
@@ -351,18 +465,18 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         load_float<T>(qp + (q_row + r) * head_dim, qf.data() + r * head_dim, head_dim);
       }
       const int64_t* blocks = table + g * max_blocks;
-#if defined(__AVX512F__)
+#if defined(SS_PD_TILED)
       if (n <= kMaxTiledContext) {
-        // keys first .. ctx-1 in tiles of up to 16 inside one block: a KV head's key rows are
-        // converted to fp32 once into `tile`, then each query head takes 16 dot products at a
+        // keys first .. ctx-1 in tiles of up to kTile inside one block: a KV head's key rows are
+        // converted to fp32 once into `tile`, then each query head takes kTile dot products at a
         // time (rows of `tile` past the tile's keys hold stale finite values or zeros, whose
         // dot products are never stored)
         for (int64_t p = first; p < ctx;) {
           const Tile t = load_tile<T>(kp, blocks, p, ctx, block_size, num_kv, h0, group,
-                                      head_dim, 16, tile.data());  // dots16 reads 16 rows
+                                      head_dim, kTile, tile.data());  // dots_tile reads kTile rows
           for (int64_t hh = 0; hh < group; ++hh) {
             for (int64_t r = hh * rep; r < (hh + 1) * rep; ++r) {
-              dots16(qf.data() + r * head_dim, t.rows + hh * t.head_step, t.stride, head_dim,
+              dots_tile(qf.data() + r * head_dim, t.rows + hh * t.head_step, t.stride, head_dim,
                      tile_scores);
               std::copy(tile_scores, tile_scores + t.count, scores.data() + r * n + (p - first));
             }
@@ -392,7 +506,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         softmax_row(scores.data() + r * n, n, fscale, fcap, &inv_sum[r]);
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-#if defined(__AVX512F__)
+#if defined(SS_PD_TILED)
       if (n <= kMaxTiledContext) {
         for (int64_t p = first; p < ctx;) {  // the same tiles: value rows converted once
           const Tile t = load_tile<T>(vp, blocks, p, ctx, block_size, num_kv, h0, group,

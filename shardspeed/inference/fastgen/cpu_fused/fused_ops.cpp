@@ -12,10 +12,11 @@
 // RMSNorm's row sums come from at::sum (torch's summation order), and silu uses torch's own
 // exp (SLEEF's Sleef_expf16_u10, exported by libtorch_cpu) on the elements torch's AVX-512
 // kernel vectorises, glibc's expf on the tail it computes scalar. On a CPU where torch runs
-// its AVX-512 kernels the results are the eager ops' bits.
+// its AVX-512 kernels the results are the eager ops' bits; on an AVX2 CPU silu_mul takes
+// torch's AVX2 exp (Sleef_expf8_u10) and spans, so its results are the eager op's bits there.
 //
-// With AVX-512 (F, BW, VL) the loops run on 16 floats at a time; otherwise a scalar loop
-// computes the same roundings. Work is split over rows with torch's intra-op threads
+// With AVX-512 (F, BW, VL) the loops run on 16 floats at a time; with AVX2 silu_mul runs on 8;
+// otherwise a scalar loop computes the same roundings. Work is split over rows with torch's intra-op threads
 // (at::parallel_for); a grain of about 16k elements keeps decode-sized inputs on one thread.
 
 // Only the ATen / pybind headers used (not <torch/extension.h>, which pulls in all of libtorch's
@@ -30,6 +31,14 @@
 #define SS_FUSED_VEC 1
 #include <immintrin.h>
 extern "C" __m512 Sleef_expf16_u10(__m512);
+#elif defined(__AVX2__) && defined(__F16C__)
+// AVX2 without AVX-512 (AMD Zen 2/3, for one): torch runs its AVX2 kernels there, and
+// silu_mul follows them on 8 floats at a time (with torch's AVX2 exp, Sleef_expf8_u10). The
+// other kernels keep their scalar loops, which measured as fast as the eager ops on such a
+// CPU (2-core EPYC 7xx3: RMSNorm at 32 rows 3x faster, at 512 rows even).
+#define SS_FUSED_AVX2 1
+#include <immintrin.h>
+extern "C" __m256 Sleef_expf8_u10(__m256);
 #endif
 
 #include <ATen/Parallel.h>
@@ -116,6 +125,67 @@ struct Vec<c10::Half> {
   }
   static __m512 round(__m512 v) {
     return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+#endif
+
+#if defined(SS_FUSED_AVX2)
+// ------------------------------------------------------------------ 8-lane loads / stores
+template <typename T>
+struct Vec8 {  // no 8-lane path (double): the scalar loop runs
+  static constexpr bool ok = false;
+};
+
+template <>
+struct Vec8<float> {
+  static constexpr bool ok = true;
+  static __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static __m256 round(__m256 v) { return v; }
+};
+
+// bf16 bits of each float in the low 16 bits of its lane, rounded to nearest even (NaN ->
+// 0x7FC0), as c10::BFloat16 does.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i hi =
+      _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(hi), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), nan));
+}
+
+template <>
+struct Vec8<c10::BFloat16> {
+  static constexpr bool ok = true;
+  static __m256 load(const c10::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static void store(c10::BFloat16* p, __m256 v) {
+    // lanes hold 0 .. 0xFFFF, so the saturating pack is exact; it packs within 128-bit
+    // halves, and the permute brings the two halves' 4 results together
+    const __m256i bits = bf16_bits8(v);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  static __m256 round(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+  }
+};
+
+template <>
+struct Vec8<c10::Half> {
+  static constexpr bool ok = true;
+  static __m256 load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void store(c10::Half* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static __m256 round(__m256 v) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
   }
 };
 #endif
@@ -308,12 +378,16 @@ at::Tensor rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
 }
 
 // ---------------------------------------------------------------------------- SiLU x up
-// torch's silu kernel: x / (1 + exp(-x)) in fp32; its AVX-512 loop takes 2 vectors of T
-// per iteration (32 floats for fp32, 64 elements for bf16 / fp16) and the rest of a row
-// scalar, with std::exp.
+// torch's silu kernel: x / (1 + exp(-x)) in fp32; its vector loop takes 2 vectors of T per
+// iteration and the rest of a row scalar, with std::exp. With AVX-512 that is 32 floats for
+// fp32 and 64 elements for bf16 / fp16; with AVX2, 16 and 32.
 template <typename T>
 inline int64_t vector_span() {
+#if defined(SS_FUSED_VEC)
   return sizeof(T) == 4 ? 32 : 64;
+#else
+  return sizeof(T) == 4 ? 16 : 32;
+#endif
 }
 
 template <typename T>
@@ -328,6 +402,17 @@ void silu_mul_row(const T* g, const T* u, T* o, int64_t inter) {
     const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
     const __m512 act = Vec<T>::round(_mm512_div_ps(x, _mm512_add_ps(one, e)));
     Vec<T>::store(o + i, _mm512_mul_ps(act, Vec<T>::load(u + i, 16)), 16);
+  }
+  }
+#elif defined(SS_FUSED_AVX2)
+  if constexpr (Vec8<T>::ok) {
+  const int64_t vec_end = inter - inter % vector_span<T>();
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i < vec_end; i += 8) {
+    const __m256 x = Vec8<T>::load(g + i);
+    const __m256 e = Sleef_expf8_u10(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    const __m256 act = Vec8<T>::round(_mm256_div_ps(x, _mm256_add_ps(one, e)));
+    Vec8<T>::store(o + i, _mm256_mul_ps(act, Vec8<T>::load(u + i)));
   }
   }
 #endif
