@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardspeed.models import GPT, GPTConfig
@@ -76,6 +77,10 @@ def _peak_rss_bytes(argv: list[str]) -> int:
     return int(kib) * 1024
 
 
+# Suite time (13 s: a 50M-parameter checkpoint saved and consolidated twice): in make
+# test-slow. The CLI's results are checked in make test by test_deepspeed_api_dist.py's
+# zero_to_fp32 case and the consolidation tests of test_checkpoint_engine.py.
+@pytest.mark.slow
 def test_to_fp32_cli_peak_rss_is_bounded_by_one_shard(tmp_path: Path) -> None:
     ckpt, out, trained = tmp_path / "ckpt", tmp_path / "out", tmp_path / "trained.safetensors"
     n_params = run_distributed(_save_rank, 2, str(ckpt), str(trained), timeout=300)[0]
