@@ -214,3 +214,16 @@ def test_worker_models_are_packed_like_the_engine() -> None:
     assert pack_worker_model(model(torch.float32), True, cpu) == 2
     assert pack_worker_model(model(torch.bfloat16), False, cpu) == 0
     assert pack_worker_model(nn.ReLU(), None, cpu) == 0  # no parameters at all
+
+
+def test_packing_logs_the_memory_it_adds(monkeypatch, caplog) -> None:
+    """The log names the packed copies' bytes (and the widened ones), and how to opt out."""
+    monkeypatch.setattr(cpu_prepack, "_native_dtypes", lambda: ())  # bf16 is widened here
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 1024)).to(torch.bfloat16)
+    with caplog.at_level("INFO", logger=cpu_prepack.logger.name):
+        assert prepack_linears(model, (torch.bfloat16,)) == 2
+    text = caplog.text
+    extra = sum(m.forward.packed.numel() * m.forward.packed.element_size() for m in model)
+    assert extra >= 2 * 1024 * 512 * 4  # two fp32 copies of 1024 x 512
+    assert f"{extra / 2**20:.1f} MiB more memory" in text and "cpu_prepack=False" in text, text
+    assert "2 of them widened to fp32 copies" in text, text
