@@ -36,6 +36,7 @@ from shardspeed import comm
 from shardspeed.accelerator import get_accelerator
 from shardspeed.compression.engine_hook import build_compression_hook
 from shardspeed.config import ShardSpeedConfig
+from shardspeed.precision.cpu_support import warn_if_slow
 from shardspeed.precision.loss_scaler import build_loss_scaler
 from shardspeed.precision.policy import MixedPrecision
 from shardspeed.runtime.compile_step import CompileApiMixin
@@ -213,6 +214,7 @@ class ShardSpeedEngine(
         self.mp_world_size = self.world_size // self.dp_world_size
         self.device = get_accelerator().device(self.local_rank)
         self.precision = MixedPrecision.from_config(config)
+        warn_if_slow(self.precision.param_dtype, self.device)
         self.stage = config.zero_optimization.stage
         self.global_steps = 0
         self.global_samples = 0
