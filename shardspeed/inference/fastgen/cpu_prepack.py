@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 
 from shardspeed.ops import cpu_gemv
+from shardspeed.precision.cpu_support import has_fast_16bit_matmul
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -101,13 +102,7 @@ def resolve_prepack(
 def _native_dtypes() -> tuple[torch.dtype, ...]:
     """bf16 / fp16 where this CPU has oneDNN kernels for them (``F.linear`` then uses oneDNN
     too); on a CPU without them ``F.linear`` may take another path, so auto packs nothing."""
-    ops = torch.ops.mkldnn
-    native = []
-    if getattr(ops, "_is_mkldnn_bf16_supported", lambda: False)():
-        native.append(torch.bfloat16)
-    if getattr(ops, "_is_mkldnn_fp16_supported", lambda: False)():
-        native.append(torch.float16)
-    return tuple(native)
+    return tuple(d for d in (torch.bfloat16, torch.float16) if has_fast_16bit_matmul(d))
 
 
 def _capability() -> str:

@@ -121,13 +121,6 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   }
 }
 
-// Asks for the `bytes` at `p` to be brought to the cache ahead of use: the next tile of a
-// sequence is in another block, anywhere in the cache, which no hardware prefetcher predicts.
-inline void prefetch_rows(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
-}
-
 // The 16 horizontal sums of v[0..15], as one vector in key order: a shuffle tree (about 3
 // instructions per sum instead of ~8 for a reduce per vector).
 inline __m512 sum16(const __m512* v) {
@@ -217,11 +210,6 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 inline __m256i lanes8(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-inline void prefetch_rows(const void* p, int64_t bytes) {  // as in the AVX-512 path
-  const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
 // The 8 horizontal sums of v[0..7], as one vector in key order: two rounds of pairwise adds
@@ -337,6 +325,13 @@ inline void softmax_row(float* s, int64_t n, float scale, float softcap, float* 
 }
 
 #if defined(SS_PD_TILED)
+// Asks for the `bytes` at `p` to be brought to the cache ahead of use: the next tile of a
+// sequence is in another block, anywhere in the cache, which no hardware prefetcher predicts.
+inline void prefetch_rows(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 // Keys per tile: one vector of scores (16 with AVX-512, 8 with AVX2).
 #if defined(SS_PD_AVX2)
 constexpr int64_t kTile = 8;
