@@ -47,12 +47,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from shardspeed.inference.fastgen import cpu_attention, cpu_fused
-    from shardspeed.ops import cpu_adam, cpu_gemv
+    from shardspeed.ops import cpu_adam, cpu_gemm, cpu_gemv
 
     builds = [
         cpu_attention.kernel_available,
         cpu_fused.kernel_available,
         cpu_gemv.kernel_dtypes,
+        cpu_gemm.available,
         cpu_adam.select_backend,
     ]
     with ThreadPoolExecutor(len(builds)) as pool:

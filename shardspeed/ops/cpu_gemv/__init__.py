@@ -30,13 +30,13 @@ AVX-512 or AVX2 + FMA (an AVX-512 CPU serves bf16 only with AVX-512-BF16), or
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from shardspeed.ops.kernel_switch import switched_on
 from shardspeed.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -93,13 +93,9 @@ def _module() -> ModuleType:
 
 
 def _switched_on() -> bool:
-    value = os.environ.get(_ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(
-            f"{_ENV}={value!r} is not understood; set it to 1 (the GEMV kernel for products "
-            "of a few rows, the default) or 0 (oneDNN for every product)."
-        )
-    return value in ("1", "true", "on")
+    return switched_on(
+        _ENV, "the GEMV kernel for products of a few rows", "oneDNN for every product"
+    )
 
 
 def _cpu_has_vector_path() -> bool:

@@ -135,7 +135,9 @@ def test_fp32_weights_are_laid_out_for_batched_rows(monkeypatch, rows: int) -> N
     """fp32 weights are packed for FP32_PACK_ROWS rows (measured faster for 8-32 rows), bf16
     for 1 (bitwise F.linear); every row count stays within fp32 rounding of F.linear."""
     from shardspeed.inference.fastgen import cpu_prepack
+    from shardspeed.ops import cpu_gemm
 
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)  # oneDNN's layout, not the AVX2 one
     hints = []
     reorder = torch.ops.mkldnn._reorder_linear_weight
     monkeypatch.setattr(
