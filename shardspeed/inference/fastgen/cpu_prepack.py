@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from shardspeed.inference.fastgen.huge_pages import huge_page_copy
 from shardspeed.ops import cpu_gemm, cpu_gemv
 from shardspeed.precision.cpu_support import has_fast_16bit_matmul
 from shardspeed.utils.logging import get_logger
@@ -165,6 +166,18 @@ class _PackedForward:
             bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
         )
         self.gemv_rows = cpu_gemv.max_rows(weight.dtype, weight.shape[1]) if eligible else 0
+        if self.gemv_rows or self.widened:  # few rows stream the parameter as stored
+            self._to_huge_pages()
+
+    def _to_huge_pages(self) -> None:
+        """Move the parameter's data to memory on 2 MiB pages (see fastgen/huge_pages.py)."""
+        weight = self.module.weight
+        if weight._base is not None:
+            return
+        copy = huge_page_copy(weight.detach())
+        if copy is not None:
+            weight.data = copy
+            self.key = (weight._version, weight.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.module.weight
