@@ -16,6 +16,12 @@ a 31M Llama; AVX2: offline 1.3x, batch-1 1.2x; docs/serving.md; every FastGen fp
 against HF ``generate`` passes with it), and opt-in elsewhere; ``cpu_prepack=False`` keeps
 ``F.linear``'s numerics.
 
+On a CPU with AVX2 and no AVX-512 (AMD Zen 2/3) fp32 weights, widened ones included, are
+packed for :mod:`shardspeed.ops.cpu_gemm` instead, a register-blocked GEMM that was 1.0-1.5x
+oneDNN's product there (its own fixed order of summation, the same for a row in any batch;
+``SHARDSPEED_FASTGEN_GEMM_CPU=0`` keeps oneDNN). Parameters read as stored by the few-row
+kernels move to memory on 2 MiB pages (:mod:`~shardspeed.inference.fastgen.huge_pages`).
+
 *Widened* bf16 / fp16 (an AVX2 CPU, no oneDNN kernels for them): ``F.linear`` there converts
 element by element (a 31M Llama served bf16 at 0.3x its fp32 speed), so the weight is packed
 as fp32 (exact) and a product of two or more rows sums the exact products in fp32 and rounds
