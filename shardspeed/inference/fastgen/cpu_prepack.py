@@ -221,7 +221,7 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
     ``dtypes`` (subclasses, e.g. quantized layers, are left alone); returns how many."""
     if not dtypes:
         return 0
-    count, numel, extra, widened = 0, 0, 0, 0
+    count, numel, extra, widened, gemm = 0, 0, 0, 0, 0
     with torch.no_grad():
         for module in model.modules():
             if type(module) is not nn.Linear or module.weight.dtype not in dtypes:
@@ -234,12 +234,18 @@ def prepack_linears(model: nn.Module, dtypes: tuple[torch.dtype, ...]) -> int:
             numel += module.weight.numel()
             extra += packed.packed.numel() * packed.packed.element_size()
             widened += int(packed.widened)
+            gemm += int(packed.gemm)
     if count:
         logger.info(
-            "cpu_prepack: %d linear weights packed for oneDNN (%.1f M elements; the packed "
+            "cpu_prepack: %d linear weights packed for %s (%.1f M elements; the packed "
             "copies sit beside the parameters: %s more memory%s; cpu_prepack=False "
             "turns packing off)",
             count,
+            "oneDNN"
+            if not gemm
+            else "the AVX2 GEMM kernel"
+            if gemm == count
+            else f"the AVX2 GEMM kernel ({gemm}) and oneDNN ({count - gemm})",
             numel / 1e6,
             f"{extra / 2**30:.2f} GiB" if extra >= 2**30 else f"{extra / 2**20:.1f} MiB",
             f", {widened} of them widened to fp32 copies, twice the 16-bit weights' bytes"

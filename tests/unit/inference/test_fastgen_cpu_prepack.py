@@ -229,3 +229,7 @@ def test_packing_logs_the_memory_it_adds(monkeypatch, caplog) -> None:
     assert extra >= 2 * 1024 * 512 * 4  # two fp32 copies of 1024 x 512
     assert f"{extra / 2**20:.1f} MiB more memory" in text and "cpu_prepack=False" in text, text
     assert "2 of them widened to fp32 copies" in text, text
+    from shardspeed.ops import cpu_gemm
+
+    kernel = "the AVX2 GEMM kernel" if cpu_gemm.available() else "oneDNN"
+    assert f"2 linear weights packed for {kernel} " in text, text
