@@ -158,7 +158,7 @@ class _PackedForward:
         source = weight.detach().float() if self.widened else weight.detach()
         # fp32 products (widened ones too) on an AVX2 CPU without AVX-512: the register-
         # blocked kernel of cpu_gemm, 1.0-1.5x oneDNN's there; elsewhere oneDNN's packing
-        self.gemm = source.dtype == torch.float32 and source.dim() == 2 and cpu_gemm.available()
+        self.gemm = source.dtype == torch.float32 and cpu_gemm.available()
         if self.gemm:
             self.packed = cpu_gemm.pack(source.contiguous())
         else:
@@ -201,13 +201,11 @@ class _PackedForward:
                 return nn.functional.linear(x, weight, bias)  # half the fp32 copy's bytes
             # fp32 sums of the exact products, rounded once to the dtype
             bias = None if bias is None else bias.float()
-            return self._fp32(x.float(), bias).to(x.dtype)
-        if self.gemm:
-            return self._fp32(x, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+            return self._product(x.float(), bias).to(x.dtype)
+        return self._product(x, bias)
 
-    def _fp32(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The fp32 product on the packed weight, by cpu_gemm or oneDNN."""
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product on the packed weight, by cpu_gemm or oneDNN."""
         if not self.gemm:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         out_features = self.module.weight.shape[0]
